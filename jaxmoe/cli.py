@@ -1,0 +1,116 @@
+"""The ``jaxmoe`` command.
+
+Each sub-command lives beside what it drives and is loaded lazily (so ``jaxmoe count`` never
+imports jax): a module provides ``add_args(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from jaxmoe.config import ConfigError, count_params, human, list_presets, load_config
+from jaxmoe.errors import UserError
+
+# command -> (module, help)
+COMMANDS = {
+    "train": ("jaxmoe.train", "train a model (default: tiny on the embedded corpus, on CPU)"),
+    "count": (None, "analytic total / active parameter counts of a preset"),
+    "plot": ("jaxmoe.plot", "write PNG plots from a training run's metrics.jsonl"),
+    "tokenizer": ("jaxmoe.data", "train a byte-level BPE tokenizer.json on text files"),
+    "convert": ("jaxmoe.port.convert", "convert checkpoints between hf:, orbax: and torch:"),
+    "logits": ("jaxmoe.port.convert", "write the fp32 logits a checkpoint computes on tokens"),
+    "parity": ("parity.cli", "run the jaxmoe vs torch_ref parity suite"),
+}
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The shared --preset / --config / --set flags."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--preset", help=f"preset name ({', '.join(list_presets())})")
+    g.add_argument("--config", help="a config .toml (may start from `preset = NAME`)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable), e.g. --set moe.top_k=2",
+    )
+
+
+def config_from_args(args):
+    return load_config(preset=args.preset, path=args.config, overrides=args.overrides)
+
+
+def _count_add_args(p):
+    add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _count_run(args) -> int:
+    cfg = config_from_args(args)
+    c = count_params(cfg)
+    if args.json:
+        print(json.dumps(c, indent=2))
+        return 0
+    print(f"{c['name']}: total {human(c['total_params'])} ({c['total_params']:,}), "
+          f"active per token {human(c['active_params'])} ({c['active_params']:,})")
+    for k, v in c["breakdown"].items():
+        print(f"  {k:38s} {v:>20,}")
+    print("  dims: " + ", ".join(f"{k}={v}" for k, v in c["dims"].items() if v is not None))
+    print("  how counted: " + c["method"])
+    return 0
+
+
+def _load(module):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            return None
+        raise
+
+
+def _missing(name, module):
+    def run(args):
+        raise UserError(f"'jaxmoe {name}' is not available: module {module} is missing")
+
+    return run
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Build only the parser of the command asked for, so that `jaxmoe count` stays jax-free.
+    parser = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name != chosen:
+            continue
+        if module is None:
+            _count_add_args(p)
+            p.set_defaults(_run=_count_run)
+            continue
+        mod = _load(module)
+        if mod is None:
+            p.set_defaults(_run=_missing(name, module))
+            continue
+        getattr(mod, "add_args_" + name, getattr(mod, "add_args", None))(p)
+        p.set_defaults(_run=getattr(mod, "run_" + name, getattr(mod, "run", None)))
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except (ConfigError, UserError) as e:
+        print(f"jaxmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"jaxmoe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,612 @@
+"""jaxmoe configuration: the single source of truth for shapes, routing, mesh and training.
+
+Pure Python (dataclasses + tomllib): importing this module must never import jax, so that
+``torch_ref`` shares it without pulling JAX in.
+
+A config is four sections, each a dataclass::
+
+    [model]  shapes, attention kind, norms, RoPE
+    [moe]    experts, routing semantics, aux losses, expert compute path
+    [mesh]   device mesh axes and the expert-parallel dispatcher
+    [train]  optimizer, schedule, batch, precision, checkpoints, data
+
+Presets are TOML files in ``jaxmoe/presets/``. ``load_config(preset=..., path=..., overrides=[...])``
+builds a :class:`Config`, type-checks every key, and runs :func:`validate`, which rejects
+impossible combinations with a one-line :class:`ConfigError` naming the key, before any compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line and names the offending key."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    name: str = "custom"
+    # Which HuggingFace architecture this model corresponds to (weight interchange naming):
+    # "qwen3_moe" (GQA + softmax), "mixtral", "deepseek_v3" (MLA + sigmoid; also Kimi-K2).
+    hf_arch: str = "qwen3_moe"
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    first_k_dense: int = 0  # the first k layers use a dense SwiGLU FFN instead of MoE
+    dense_ffn_dim: int = 128  # intermediate size of the dense FFN layers
+    attention: str = "gqa"  # "gqa" | "mla"
+    n_heads: int = 4
+    # GQA
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    qk_norm: bool = False  # Qwen3-style RMSNorm on q and k per head
+    # MLA (DeepSeek-V3)
+    q_lora_rank: int = 0  # 0: q projected directly (no low-rank q)
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    # norms / positions
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_layout: str = "half"  # "half" (half-split, HF Llama/Qwen/Mixtral) | "interleaved" (pairs)
+    rope_scaling: str = "none"  # "none" | "yarn"
+    yarn_factor: float = 1.0
+    yarn_original_max_pos: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.first_k_dense
+
+    @property
+    def q_head_dim(self) -> int:
+        """Per-head query/key width used for attention scores."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int = 8
+    top_k: int = 2
+    expert_ffn_dim: int = 64  # intermediate size of one routed expert (SwiGLU)
+    n_shared_experts: int = 0  # shared experts, fused into one SwiGLU of width n_shared * expert_ffn_dim
+    # Routing semantics (router runs in fp32 always)
+    score_func: str = "softmax"  # "softmax" | "sigmoid"
+    # softmax: Mixtral/Qwen3 semantics = softmax over all experts, then top-k, then optional
+    # renormalisation. sigmoid: DeepSeek-V3 semantics.
+    norm_topk_prob: bool = True  # renormalise the k selected weights to sum to 1
+    route_scale: float = 1.0  # multiply gate weights after normalisation (DeepSeek-V3: 2.5)
+    n_groups: int = 1  # expert groups for group-limited selection (DeepSeek-V3: 8)
+    topk_groups: int = 1  # groups kept (DeepSeek-V3: 4); group score = sum of its top-2 scores
+    use_expert_bias: bool = False  # aux-loss-free balancing bias, used only for selection
+    bias_update_rate: float = 1e-3  # sign-rule update rate of the expert bias
+    # Aux losses (coefficients; 0 disables)
+    lb_coef: float = 0.0  # global-batch load-balance loss, Switch form: E * sum_e f_e * P_e
+    seq_aux_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss
+    router_z_coef: float = 0.0  # router z-loss: mean(logsumexp(router_logits)^2)
+    # Expert compute path
+    compute_path: str = "blocked"  # "dense" | "ragged" | "blocked"
+    capacity_factor: float = 0.0  # dense path: 0 = dropless (capacity = worst case)
+    block_size: int = 16  # blocked path: each expert's token group is padded to a multiple of this
+    router_init_std: float = 0.02
+
+
+@dataclass
+class MeshConfig:
+    replica: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    # expert-parallel dispatcher: "auto" | "all_to_all" | "ragged_all_to_all" | "allgather"
+    dispatcher: str = "auto"
+    a2a_capacity_factor: float = 0.0  # 0 = worst case (dropless)
+    dispatch_chunks: int = 1  # split tokens into chunks so all-to-all overlaps compute
+    xla_flags_profile: str = "none"  # "none" | "gpu_overlap"
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    steps: int = 60
+    batch_size: int = 8  # sequences per step (global)
+    seq_len: int = 64
+    micro_batches: int = 1  # gradient accumulation: batch_size split into this many micro-batches
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16" (master params always fp32)
+    optimizer: str = "adamw"  # "adamw" | "muon"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # "cosine" | "linear" | "wsd" | "constant"
+    wsd_decay_frac: float = 0.2
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_norms: bool = False
+    decay_embeddings: bool = False
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    # Muon (matrices, including stacked expert weights per expert); AdamW for the rest
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_ns_coefficients: list = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    muon_eps: float = 1e-7
+    muon_adjust_lr: str = "original"  # "original" | "match_rms_adamw" | "none"
+    muon_weight_decay: float = 0.1
+    muon_ns_dtype: str = "bfloat16"  # "bfloat16" (as torch.optim.Muon) | "float32"
+    z_loss_coef: float = 0.0  # output-logit z-loss
+    remat: str = "none"  # "none" | "full" | "save_dots" | "offload"
+    # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer)
+    data: str = "default"
+    tokenizer: str = ""  # path to a HuggingFace tokenizers tokenizer.json for text data
+    eval_every: int = 20
+    eval_batches: int = 2
+    log_every: int = 1
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 3
+
+
+SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "mesh": MeshConfig, "train": TrainConfig}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    description: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def replace(self, **sections) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+# --------------------------------------------------------------------------------------------
+# Building configs: dicts, TOML, presets, --set overrides
+# --------------------------------------------------------------------------------------------
+
+_CHOICES = {
+    ("model", "hf_arch"): ("qwen3_moe", "mixtral", "deepseek_v3"),
+    ("model", "attention"): ("gqa", "mla"),
+    ("model", "rope_layout"): ("half", "interleaved"),
+    ("model", "rope_scaling"): ("none", "yarn"),
+    ("moe", "score_func"): ("softmax", "sigmoid"),
+    ("moe", "compute_path"): ("dense", "ragged", "blocked"),
+    ("mesh", "dispatcher"): ("auto", "all_to_all", "ragged_all_to_all", "allgather"),
+    ("mesh", "xla_flags_profile"): ("none", "gpu_overlap"),
+    ("train", "dtype"): ("float32", "bfloat16"),
+    ("train", "optimizer"): ("adamw", "muon"),
+    ("train", "schedule"): ("cosine", "linear", "wsd", "constant"),
+    ("train", "muon_adjust_lr"): ("original", "match_rms_adamw", "none"),
+    ("train", "muon_ns_dtype"): ("bfloat16", "float32"),
+    ("train", "remat"): ("none", "full", "save_dots", "offload"),
+}
+
+
+def _field_type(cls, name: str) -> type:
+    default = {f.name: f for f in fields(cls)}[name]
+    if default.default is not dataclasses.MISSING:
+        return type(default.default)
+    return type(default.default_factory())  # type: ignore[misc]
+
+
+def _coerce(section: str, key: str, value: Any, typ: type) -> Any:
+    """Coerce ``value`` (a TOML value or a --set string) to ``typ`` or raise ConfigError."""
+    where = f"{section}.{key}"
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                if text.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if text.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if typ is int:
+                return int(text)
+            if typ is float:
+                return float(text)
+            if typ is list:
+                parsed = json.loads(text)
+                if not isinstance(parsed, list):
+                    raise ValueError
+                return parsed
+        except ValueError:
+            raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}") from None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"unknown config section {section!r} (in {section}.{key}); sections are: "
+            + ", ".join(SECTIONS)
+        )
+    obj = getattr(cfg, section)
+    names = [f.name for f in fields(obj)]
+    if key not in names:
+        close = [n for n in names if key in n or n in key]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"unknown config key {section}.{key}{hint}")
+    setattr(obj, key, _coerce(section, key, value, _field_type(type(obj), key)))
+
+
+def config_from_dict(data: dict, base: Config | None = None) -> Config:
+    """Build a Config from a nested dict ({section: {key: value}}), on top of ``base``."""
+    cfg = dataclasses.replace(base) if base is not None else Config()
+    if base is not None:  # deep copy sections so the base is not mutated
+        cfg = Config(
+            **{s: dataclasses.replace(getattr(base, s)) for s in SECTIONS},
+            description=base.description,
+        )
+    for section, values in data.items():
+        if section == "description":
+            cfg.description = str(values)
+            continue
+        if section == "preset":
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"config entry {section!r} must be a [section] table")
+        for key, value in values.items():
+            _apply(cfg, section, key, value)
+    return cfg
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def _read_file(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {e}") from None
+
+
+def load_preset_dict(name: str) -> dict:
+    path = PRESET_DIR / f"{name}.toml"
+    if not path.exists():
+        raise ConfigError(f"unknown preset {name!r}; presets are: {', '.join(list_presets())}")
+    return _read_file(path)
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    lhs, value = text.split("=", 1)
+    if "." not in lhs:
+        raise ConfigError(f"--set {text!r}: key must be section.key (e.g. moe.top_k=2)")
+    section, key = lhs.strip().split(".", 1)
+    return section, key, value
+
+
+def load_config(
+    preset: str | None = None,
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    validate_config: bool = True,
+) -> Config:
+    """Preset (default ``tiny`` when neither preset nor path is given) + file + ``--set`` overrides.
+
+    A config file may name a preset to start from with a top-level ``preset = "NAME"``.
+    """
+    cfg = Config()
+    if path is not None:
+        data = _read_file(Path(path))
+        base_name = data.get("preset", preset)
+        if base_name:
+            cfg = config_from_dict(load_preset_dict(base_name))
+        cfg = config_from_dict(data, cfg)
+    else:
+        cfg = config_from_dict(load_preset_dict(preset or "tiny"))
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _apply(cfg, section, key, value)
+    if validate_config:
+        validate(cfg)
+    return cfg
+
+
+def config_to_toml(cfg: Config) -> str:
+    """Serialise to TOML (flat scalar/list values only, which is all a Config holds)."""
+
+    def fmt(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        raise TypeError(v)
+
+    lines = [f"description = {fmt(cfg.description)}"]
+    for section in SECTIONS:
+        lines.append(f"\n[{section}]")
+        for f in fields(getattr(cfg, section)):
+            lines.append(f"{f.name} = {fmt(getattr(getattr(cfg, section), f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: impossible combinations are rejected before any compute
+# --------------------------------------------------------------------------------------------
+
+
+def _positive(cfg: Config, section: str, *keys: str, allow_zero: bool = False) -> None:
+    obj = getattr(cfg, section)
+    for k in keys:
+        v = getattr(obj, k)
+        if v < 0 or (v == 0 and not allow_zero):
+            need = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{k}={v} must be {need}")
+
+
+def validate(cfg: Config) -> Config:
+    m, e, mesh, t = cfg.model, cfg.moe, cfg.mesh, cfg.train
+    for (section, key), choices in _CHOICES.items():
+        v = getattr(getattr(cfg, section), key)
+        if v not in choices:
+            raise ConfigError(f"{section}.{key}={v!r} is not one of: {', '.join(choices)}")
+    _positive(cfg, "model", "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
+    _positive(cfg, "model", "first_k_dense", allow_zero=True)
+    _positive(cfg, "moe", "n_experts", "top_k", "expert_ffn_dim", "n_groups", "topk_groups")
+    _positive(cfg, "moe", "n_shared_experts", allow_zero=True)
+    _positive(cfg, "train", "batch_size", "seq_len", "micro_batches", "steps")
+    if m.first_k_dense > m.n_layers:
+        raise ConfigError(
+            f"model.first_k_dense={m.first_k_dense} exceeds model.n_layers={m.n_layers}"
+        )
+    if m.first_k_dense > 0 and m.dense_ffn_dim <= 0:
+        raise ConfigError(f"model.dense_ffn_dim={m.dense_ffn_dim} must be > 0 when first_k_dense > 0")
+    if m.rms_norm_eps <= 0:
+        raise ConfigError(f"model.rms_norm_eps={m.rms_norm_eps} must be > 0")
+    if m.attention == "gqa":
+        _positive(cfg, "model", "n_kv_heads", "head_dim")
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}"
+            )
+        if m.head_dim % 2:
+            raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE")
+    else:
+        _positive(cfg, "model", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        _positive(cfg, "model", "q_lora_rank", allow_zero=True)
+        if m.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
+    if m.hf_arch == "deepseek_v3" and m.attention != "mla":
+        raise ConfigError("model.hf_arch='deepseek_v3' requires model.attention='mla'")
+    if m.hf_arch in ("qwen3_moe", "mixtral") and m.attention != "gqa":
+        raise ConfigError(f"model.hf_arch={m.hf_arch!r} requires model.attention='gqa'")
+    if m.hf_arch == "mixtral" and (m.qk_norm or e.n_shared_experts or m.first_k_dense):
+        raise ConfigError(
+            "model.hf_arch='mixtral' has no qk_norm, shared experts or dense layers; "
+            "use hf_arch='qwen3_moe' or 'deepseek_v3' for those"
+        )
+    if m.rope_scaling == "yarn" and m.yarn_factor < 1.0:
+        raise ConfigError(f"model.yarn_factor={m.yarn_factor} must be >= 1 for YaRN")
+    if e.top_k > e.n_experts:
+        raise ConfigError(f"moe.top_k={e.top_k} exceeds moe.n_experts={e.n_experts}")
+    if e.n_experts % e.n_groups:
+        raise ConfigError(f"moe.n_groups={e.n_groups} does not divide moe.n_experts={e.n_experts}")
+    if e.topk_groups > e.n_groups:
+        raise ConfigError(f"moe.topk_groups={e.topk_groups} exceeds moe.n_groups={e.n_groups}")
+    if e.n_groups > 1:
+        per_group = e.n_experts // e.n_groups
+        if per_group < 2:
+            raise ConfigError(
+                f"moe.n_groups={e.n_groups} leaves {per_group} expert per group; group scores "
+                "sum each group's top-2, so each group needs >= 2 experts"
+            )
+        if e.top_k > e.topk_groups * per_group:
+            raise ConfigError(
+                f"moe.top_k={e.top_k} exceeds the {e.topk_groups * per_group} experts in "
+                f"moe.topk_groups={e.topk_groups} groups of {per_group}"
+            )
+    if e.use_expert_bias and e.score_func != "sigmoid":
+        raise ConfigError("moe.use_expert_bias=true requires moe.score_func='sigmoid' (DeepSeek-V3)")
+    if e.capacity_factor < 0:
+        raise ConfigError(f"moe.capacity_factor={e.capacity_factor} must be >= 0 (0 = dropless)")
+    if e.block_size <= 0:
+        raise ConfigError(f"moe.block_size={e.block_size} must be > 0")
+    for k in ("lb_coef", "seq_aux_coef", "router_z_coef", "bias_update_rate", "route_scale"):
+        if getattr(e, k) < 0:
+            raise ConfigError(f"moe.{k}={getattr(e, k)} must be >= 0")
+    for k in ("replica", "fsdp", "expert", "tensor"):
+        v = getattr(mesh, k)
+        if v == 0 or v < -1:
+            raise ConfigError(f"mesh.{k}={v} must be a positive size or -1 (fill)")
+    if sum(getattr(mesh, k) == -1 for k in ("replica", "fsdp", "expert", "tensor")) > 1:
+        raise ConfigError("mesh: at most one axis may be -1 (fill)")
+    if mesh.dispatch_chunks <= 0:
+        raise ConfigError(f"mesh.dispatch_chunks={mesh.dispatch_chunks} must be > 0")
+    if t.batch_size % t.micro_batches:
+        raise ConfigError(
+            f"train.micro_batches={t.micro_batches} does not divide train.batch_size={t.batch_size}"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if len(t.muon_ns_coefficients) != 3:
+        raise ConfigError("train.muon_ns_coefficients must be a list of 3 numbers (a, b, c)")
+    if t.lr < 0 or t.muon_lr < 0:
+        raise ConfigError("train.lr and train.muon_lr must be >= 0")
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Analytic parameter counts
+# --------------------------------------------------------------------------------------------
+
+COUNT_METHOD = (
+    "Counted analytically from the config: every trained weight (embedding, attention, norms, "
+    "dense FFNs, router weights, routed and shared experts, final norm, and the LM head when "
+    "untied). Expert-bias buffers (not trained) and multi-token-prediction layers are excluded. "
+    "Active per token = total minus the routed experts a token does not visit "
+    "((n_experts - top_k) per MoE layer); embeddings and head are counted in both."
+)
+
+
+def count_params(cfg: Config) -> dict:
+    """Analytic counts of total and per-token-active parameters, with a breakdown."""
+    m, e = cfg.model, cfg.moe
+    d = m.d_model
+    if m.attention == "gqa":
+        attn = d * m.n_heads * m.head_dim + 2 * d * m.n_kv_heads * m.head_dim
+        attn += m.n_heads * m.head_dim * d
+        if m.qk_norm:
+            attn += 2 * m.head_dim
+    else:
+        qh = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank > 0:
+            attn = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.n_heads * qh
+        else:
+            attn = d * m.n_heads * qh
+        attn += d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        attn += m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        attn += m.n_heads * m.v_head_dim * d
+    norms = 2 * d
+    dense_ffn = 3 * d * m.dense_ffn_dim
+    expert = 3 * d * e.expert_ffn_dim
+    shared = e.n_shared_experts * expert
+    router = d * e.n_experts
+    dense_layer = attn + norms + dense_ffn
+    moe_layer_total = attn + norms + router + e.n_experts * expert + shared
+    moe_layer_active = attn + norms + router + e.top_k * expert + shared
+    embed = m.vocab_size * d
+    head = 0 if m.tie_embeddings else m.vocab_size * d
+    final_norm = d
+    base = embed + head + final_norm + m.first_k_dense * dense_layer
+    total = base + m.n_moe_layers * moe_layer_total
+    active = base + m.n_moe_layers * moe_layer_active
+    return {
+        "name": m.name,
+        "total_params": int(total),
+        "active_params": int(active),
+        "breakdown": {
+            "embedding": embed,
+            "lm_head": head,
+            "attention_per_layer": attn,
+            "dense_ffn_per_layer": dense_ffn,
+            "router_per_moe_layer": router,
+            "expert_params_each": expert,
+            "shared_expert_params_per_moe_layer": shared,
+            "routed_expert_params_total": m.n_moe_layers * e.n_experts * expert,
+        },
+        "dims": {
+            "vocab_size": m.vocab_size,
+            "d_model": d,
+            "n_layers": m.n_layers,
+            "first_k_dense": m.first_k_dense,
+            "n_moe_layers": m.n_moe_layers,
+            "attention": m.attention,
+            "n_heads": m.n_heads,
+            "n_kv_heads": m.n_kv_heads if m.attention == "gqa" else None,
+            "head_dim": m.head_dim if m.attention == "gqa" else None,
+            "q_lora_rank": m.q_lora_rank if m.attention == "mla" else None,
+            "kv_lora_rank": m.kv_lora_rank if m.attention == "mla" else None,
+            "qk_nope_head_dim": m.qk_nope_head_dim if m.attention == "mla" else None,
+            "qk_rope_head_dim": m.qk_rope_head_dim if m.attention == "mla" else None,
+            "v_head_dim": m.v_head_dim if m.attention == "mla" else None,
+            "dense_ffn_dim": m.dense_ffn_dim,
+            "n_experts": e.n_experts,
+            "top_k": e.top_k,
+            "expert_ffn_dim": e.expert_ffn_dim,
+            "n_shared_experts": e.n_shared_experts,
+            "tie_embeddings": m.tie_embeddings,
+        },
+        "method": COUNT_METHOD,
+    }
+
+
+def human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def flops_per_token(cfg: Config, seq_len: int | None = None) -> float:
+    """Approximate training FLOPs per token (6 * active matmul params + attention scores)."""
+    c = count_params(cfg)
+    m = cfg.model
+    s = seq_len or cfg.train.seq_len
+    active_matmul = c["active_params"] - c["breakdown"]["embedding"]
+    if m.tie_embeddings:
+        active_matmul += c["breakdown"]["embedding"]
+    qk = m.q_head_dim
+    v = m.v_head_dim if m.attention == "mla" else m.head_dim
+    attn = 2 * m.n_layers * m.n_heads * s * (qk + v)  # causal ~ half of full, fwd+bwd*3
+    return 6.0 * active_matmul + 3.0 * attn
+
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "MeshConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "config_to_toml",
+    "count_params",
+    "flops_per_token",
+    "human",
+    "list_presets",
+    "load_config",
+    "validate",
+]
