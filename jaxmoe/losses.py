@@ -1,0 +1,134 @@
+"""Losses and the expert-bias update (docs/LAYOUT.md "Losses"). Everything is fp32.
+
+* ``cross_entropy``: summed over valid tokens / number of valid tokens (global count when the
+  caller passes ``n_valid``), plus the output-logit z-loss ``logsumexp^2`` with the same reduction.
+* Router losses per MoE layer (the model sums them over layers): Switch load balance, DeepSeek-V3
+  sequence-wise balance, router z-loss.
+* ``update_expert_bias``: aux-loss-free sign rule, mean-centred.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy(logits, targets, mask, n_valid=None):
+    """Returns ``(ce, z)``: ``sum(mask * -log p[target]) / n`` and ``sum(mask * lse^2) / n``.
+
+    ``logits [B, S, V]``, ``targets [B, S]`` int, ``mask [B, S]`` (1 = valid); ``n`` = ``n_valid``
+    (e.g. the global count across micro-batches/devices) or ``mask.sum()``.
+    """
+    logits = logits.astype(jnp.float32)
+    mask = mask.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    n = mask.sum() if n_valid is None else jnp.asarray(n_valid, jnp.float32)
+    n = jnp.maximum(n, 1.0)
+    ce = jnp.sum((lse - tgt) * mask) / n
+    z = jnp.sum(lse * lse * mask) / n
+    return ce, z
+
+
+def normalise_scores(scores):
+    """Scores divided by their sum over experts (softmax probs are already normalised)."""
+    scores = scores.astype(jnp.float32)
+    return scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+def load_balance_loss(probs, topk_idx, n_experts):
+    """Switch/GShard balance ``E * sum_e f_e * P_e`` over all T tokens of one layer.
+
+    ``f_e`` = fraction of the T*k assignments routed to ``e`` (no gradient), ``P_e`` = mean over
+    tokens of the normalised probability ``probs [T, E]``.
+    """
+    t, k = topk_idx.shape
+    counts = jnp.zeros((n_experts,), jnp.float32).at[topk_idx.reshape(-1)].add(1.0)
+    f = counts / (t * k)
+    p_mean = jnp.mean(probs.astype(jnp.float32), axis=0)
+    return n_experts * jnp.sum(f * p_mean)
+
+
+def seq_aux_loss(scores_normalised, topk_idx, batch, seq, n_experts, top_k):
+    """DeepSeek-V3 sequence-wise balance: per sequence ``sum_e (E/(k*S) * count_e) * mean_t s'_e``,
+    averaged over the ``batch`` sequences. Tokens are ``T = batch * seq`` row-major."""
+    s = scores_normalised.astype(jnp.float32).reshape(batch, seq, n_experts)
+    idx = topk_idx.reshape(batch, seq * top_k)
+    counts = jax.vmap(lambda i: jnp.zeros((n_experts,), jnp.float32).at[i].add(1.0))(idx)
+    f = counts * (n_experts / (top_k * seq))
+    return jnp.mean(jnp.sum(f * jnp.mean(s, axis=1), axis=-1))
+
+
+def router_z_loss(logits):
+    """``mean_t logsumexp(router_logits_t)^2`` for one layer's ``logits [T, E]``."""
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    return jnp.mean(lse * lse)
+
+
+def update_expert_bias(bias, counts, rate):
+    """``delta = rate * sign(mean(c) - c)``, ``delta -= mean(delta)``, ``bias + delta``.
+
+    Works on ``[E]`` or stacked ``[Lm, E]`` (means over the expert axis). ``counts`` are the
+    assignments per expert summed over the whole step.
+    """
+    c = counts.astype(jnp.float32)
+    delta = rate * jnp.sign(jnp.mean(c, axis=-1, keepdims=True) - c)
+    delta = delta - jnp.mean(delta, axis=-1, keepdims=True)
+    return (bias + delta).astype(bias.dtype)
+
+
+def router_losses(cfg, router_logits, router_scores, topk_idx, batch, seq):
+    """Per-layer router losses summed over the stacked MoE layers (leading axis ``Lm``)."""
+    e, k = cfg.moe.n_experts, cfg.moe.top_k
+    if router_logits.shape[0] == 0:
+        zero = jnp.zeros((), jnp.float32)
+        return {"lb": zero, "seq_aux": zero, "router_z": zero}
+
+    def one(lg, sc, idx):
+        sn = normalise_scores(sc)
+        return (
+            load_balance_loss(sn, idx, e),
+            seq_aux_loss(sn, idx, batch, seq, e, k),
+            router_z_loss(lg),
+        )
+
+    lb, sa, rz = jax.vmap(one)(router_logits, router_scores, topk_idx)
+    return {"lb": lb.sum(), "seq_aux": sa.sum(), "router_z": rz.sum()}
+
+
+def compute_loss(cfg, logits, aux, batch, n_valid=None):
+    """Total loss and fp32 metrics from the model outputs.
+
+    ``total = ce + z_loss_coef*z_loss + lb_coef*lb + seq_aux_coef*seq_aux + router_z_coef*router_z``;
+    metrics ``{"loss", "ce", "z_loss", "lb", "seq_aux", "router_z"}``.
+    """
+    ce, z = cross_entropy(logits, batch["targets"], batch["mask"], n_valid)
+    rl = aux["losses"]
+    m = cfg.moe
+    total = (
+        ce
+        + cfg.train.z_loss_coef * z
+        + m.lb_coef * rl["lb"]
+        + m.seq_aux_coef * rl["seq_aux"]
+        + m.router_z_coef * rl["router_z"]
+    )
+    metrics = {
+        "loss": total,
+        "ce": ce,
+        "z_loss": z,
+        "lb": rl["lb"],
+        "seq_aux": rl["seq_aux"],
+        "router_z": rl["router_z"],
+    }
+    return total, metrics
+
+
+def model_loss(cfg, params, buffers, batch, *, n_valid=None, dispatch=None, forced_idx=None):
+    """``apply_model`` + ``compute_loss``: returns ``(total, (metrics, aux))`` for ``jax.grad``."""
+    from jaxmoe.model.transformer import apply_model  # late import: transformer imports us
+
+    logits, aux = apply_model(
+        cfg, params, buffers, batch["inputs"], forced_idx=forced_idx, dispatch=dispatch
+    )
+    total, metrics = compute_loss(cfg, logits, aux, batch, n_valid)
+    return total, (metrics, aux)
