@@ -207,6 +207,13 @@ def train_step(model: TorchTransformer, opt: Optimizer, sched: Scheduler, batch:
     model.train()
     opt.zero_grad()
     metrics, counts = accumulate_gradients(model, batch, cfg)
+    # An expert that received no token this step has no autograd gradient (p.grad is None), and
+    # torch optimizers skip such parameters entirely (no momentum decay, no weight decay). The
+    # contract is the stacked-expert one (jaxmoe, torchtitan's grouped experts): every trained
+    # parameter gets a gradient, exactly zero for an unused expert, and the optimizer still steps it.
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
     params = [p for p in model.parameters() if p.grad is not None]
     # clip_grad_norm_ scales by min(1, max_norm / (norm + 1e-6)); inf max_norm = measure only
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
