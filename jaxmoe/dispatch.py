@@ -1,0 +1,342 @@
+"""Expert-parallel dispatchers: the routed-expert FFN run inside ``jax.shard_map`` over the mesh.
+
+The model calls ``dispatch(x, topk_idx, topk_weights, weights, moe_cfg, path=...)`` with the
+signature of :func:`jaxmoe.model.experts.expert_ffn`, on *global* (jit-level) arrays, once per
+MoE layer inside the layer scan. :func:`make_dispatch` returns such a callable. Inside it, one
+``jax.shard_map`` sees per device:
+
+* tokens ``x [T_l, D]``, ``topk_idx``/``topk_weights [T_l, k]``: the device's slice of the batch
+  (tokens are split over ``replica x fsdp x expert``, replicated over ``tensor``);
+* expert weights ``[E_l, D, I_t]`` / ``[E_l, I_t, D]``: its ``E_l = E / expert`` experts
+  (device ``j`` of the expert axis owns experts ``j*E_l ... (j+1)*E_l - 1``), gathered over
+  ``fsdp`` at entry (FSDP; autodiff reduce-scatters their gradients back) and split along ``I``
+  over ``tensor`` (partial outputs are ``psum``-ed over ``tensor`` at the end).
+
+Dispatchers (``mesh.dispatcher``):
+
+``all_to_all``
+    Fixed capacity. Each device fills a ``[E, C, D]`` buffer (slot = expert, position in that
+    expert's queue), one ``all_to_all`` over ``expert`` sends expert ``e``'s slots to its owner,
+    the owner computes, a second ``all_to_all`` returns the results, the source combines.
+    ``mesh.a2a_capacity_factor == 0``: ``C = T_l`` (the worst case, dropless). ``> 0``:
+    ``C = ceil(cf * T_l * k / E)`` per *source device* (per chunk), filled by the LAYOUT.md
+    priority rule (choice rank, then token index) among that device's tokens; the rest drop
+    (contribute zero, other weights not renormalised). Works on every backend.
+``ragged_all_to_all``
+    Dropless and sized to the real traffic: assignments are sorted by destination and sent with
+    ``jax.lax.ragged_all_to_all`` (offsets exchanged with small all_to_alls). XLA:CPU does not
+    implement the op, so it is picked automatically only off CPU and rejected on CPU. Its index
+    arithmetic is tested on CPU by running the same code with an all_gather-based emulation of
+    the collective (``ragged_all_to_all_emulated``, a test-only kind).
+``allgather``
+    All-gather tokens (and routing) over ``expert``, each device computes its own experts for
+    every gathered token, and a ``psum_scatter`` (reduce-scatter) sums the partial outputs back
+    to the token owners. Dropless. Moves ``expert x`` more activations but needs no index exchange.
+
+``mesh.dispatch_chunks = n``: the device's tokens are cut into ``n`` chunks dispatched one after
+another in an unrolled loop, so the scheduler can overlap one chunk's collectives with another's
+compute (with ``xla_flags_profile = "gpu_overlap"`` on GPU). Dropless results are identical to the
+unchunked ones; with a capacity factor the capacity applies per chunk.
+
+Local compute on the received rows uses ``jaxmoe.model.experts.grouped_swiglu`` (rows sorted by
+local expert; ``moe.compute_path`` ``ragged`` -> ``ragged_dot``, otherwise ``blocked``), so the work
+is proportional to the rows actually received, not to the capacity buffer.
+
+Under a mesh, dropping is decided only by ``mesh.a2a_capacity_factor``; ``moe.capacity_factor``
+belongs to the single-device ``dense`` path.
+
+Gradients: ``all_to_all``, ``ragged_all_to_all``, ``all_gather`` and ``psum_scatter`` all have
+transpose rules in JAX (all_to_all -> all_to_all with split/concat swapped; all_gather <->
+psum_scatter), and ``shard_map`` sums the cotangent of an input that is replicated over an axis
+(the expert weights over the batch axes) over that axis. ``check_vma`` is off (see
+``CHECK_VMA``); the tests compare every parameter gradient with the single-device run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from jaxmoe.errors import UserError
+
+KINDS = ("all_to_all", "ragged_all_to_all", "allgather")
+TEST_KINDS = ("ragged_all_to_all_emulated",)  # CPU stand-in for the ragged collective (tests)
+
+TOKEN_AXES = ("replica", "fsdp", "expert")
+EXPERT_AXIS = "expert"
+TENSOR_AXIS = "tensor"
+# Workaround (jax >= 0.7 shard_map typing): with check_vma=True every loop carry inside the body
+# must carry the same "varying manual axes" type as the values written into it. The blocked
+# expert path (jaxmoe/model/experts.py) starts its fori_loop carries from jnp.zeros(...), which
+# are typed invariant, while the rows/weights it writes vary over the mesh axes, so tracing fails
+# ("while_loop body function carry input and carry output must have equal types"). We therefore
+# run the body with check_vma=False; the collectives' transposes are then JAX's unchecked ones,
+# and tests/test_dispatch.py + tests/test_sharding.py verify every gradient (including the psum
+# over replicated axes and over `tensor`) against the single-device run. Switch to True once the
+# carries are built with zeros_like/pvary from the loop inputs.
+CHECK_VMA = False
+
+
+def resolve_dispatcher(cfg, platform: str) -> str:
+    """``mesh.dispatcher`` -> a concrete kind for this backend.
+
+    ``auto``: ``all_to_all`` on CPU (and whenever ``mesh.a2a_capacity_factor > 0``, the only
+    dispatcher that drops), ``ragged_all_to_all`` elsewhere."""
+    want = cfg.mesh.dispatcher
+    cf = cfg.mesh.a2a_capacity_factor
+    if cf < 0:
+        raise UserError(f"mesh.a2a_capacity_factor={cf} must be >= 0 (0 = dropless)")
+    if want == "auto":
+        return "all_to_all" if (platform == "cpu" or cf > 0) else "ragged_all_to_all"
+    if want == "ragged_all_to_all" and platform == "cpu":
+        raise UserError(
+            "mesh.dispatcher='ragged_all_to_all' is not implemented by XLA:CPU; "
+            "use mesh.dispatcher=all_to_all or allgather (or auto) on CPU"
+        )
+    if want not in KINDS + TEST_KINDS:
+        raise UserError(f"mesh.dispatcher={want!r} is not one of: auto, {', '.join(KINDS)}")
+    if cf > 0 and want != "all_to_all":
+        raise UserError(
+            f"mesh.a2a_capacity_factor={cf} only applies to mesh.dispatcher=all_to_all "
+            f"({want} is dropless); set it to 0 or use all_to_all"
+        )
+    return want
+
+
+# --------------------------------------------------------------------------------------------
+# Local pieces
+# --------------------------------------------------------------------------------------------
+
+
+def _slot_positions(idx, n_experts):
+    """Position ``[T, k]`` of each assignment in its expert's queue, in (choice rank, token)
+    order (docs/LAYOUT.md). Sort-based, O(T*k) memory (no [T*k, E] one-hot)."""
+    import jax.numpy as jnp
+
+    t, k = idx.shape
+    rank_major = idx.T.reshape(-1)
+    order = jnp.argsort(rank_major, stable=True)
+    counts = jnp.zeros((n_experts,), jnp.int32).at[rank_major].add(1)
+    starts = jnp.cumsum(counts) - counts
+    pos_sorted = jnp.arange(t * k, dtype=jnp.int32) - starts[rank_major[order]]
+    pos = jnp.zeros((t * k,), jnp.int32).at[order].set(pos_sorted)
+    return pos.reshape(k, t).T
+
+
+def _local_compute(x_src, src_row, row_expert, weights, n_local, path, block_size):
+    """SwiGLU of rows ``x_src[src_row[i]]`` with local expert ``row_expert[i]``; rows whose
+    expert is ``n_local`` (padding / not ours) give 0. Returns ``[len(src_row), D]``."""
+    import jax.numpy as jnp
+
+    from jaxmoe.model.experts import grouped_swiglu
+
+    order = jnp.argsort(row_expert, stable=True)
+    inverse = jnp.argsort(order)
+    group_sizes = jnp.zeros((n_local,), jnp.int32).at[row_expert].add(1, mode="drop")
+    x_sorted = x_src[src_row[order]]
+    y_sorted = grouped_swiglu(x_sorted, group_sizes, weights, path=path, block_size=block_size)
+    return y_sorted[inverse]
+
+
+def _combine(y_assign, w):
+    """fp32 weighted sum over the k choices: ``[T, k, D] x [T, k] -> [T, D]`` fp32."""
+    import jax.numpy as jnp
+
+    return jnp.einsum("tk,tkd->td", w.astype(jnp.float32), y_assign.astype(jnp.float32))
+
+
+def _capacity(cf: float, t: int, k: int, e: int) -> int:
+    if cf == 0:
+        return t
+    return min(t, max(1, math.ceil(cf * t * k / e)))
+
+
+# --------------------------------------------------------------------------------------------
+# One chunk of each dispatcher (runs per device inside shard_map)
+# --------------------------------------------------------------------------------------------
+
+
+def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size):
+    import jax
+    import jax.numpy as jnp
+
+    t, k = idx.shape
+    d = x.shape[-1]
+    e_l = n_exp // n_x
+    cap = _capacity(cf, t, k, n_exp)
+    pos = _slot_positions(idx, n_exp)
+    keep = pos < cap
+    slot = jnp.where(keep, idx * cap + pos, n_exp * cap)  # dropped -> out of range
+    # [E*C, D] send buffer, expert-major (= destination-major: expert e lives on e // E_l)
+    rows = jnp.broadcast_to(x[:, None, :], (t, k, d)).reshape(t * k, d)
+    buf = jnp.zeros((n_exp * cap, d), x.dtype).at[slot.reshape(-1)].add(rows, mode="drop")
+    kept = jnp.zeros((n_exp,), jnp.int32).at[slot.reshape(-1) // cap].add(1, mode="drop")
+    recv = jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0, tiled=True)  # [X(src), E_l, C, D] flat
+    rc = jax.lax.all_to_all(kept, EXPERT_AXIS, 0, 0, tiled=True).reshape(n_x, e_l)
+    # slot (s, l, c) holds a real row iff c < rc[s, l]
+    valid = jnp.arange(cap)[None, None, :] < rc[:, :, None]
+    row_e = jnp.where(valid, jnp.arange(e_l)[None, :, None], e_l).reshape(-1)
+    y_rows = _local_compute(recv, jnp.arange(recv.shape[0]), row_e, wl, e_l, path, block_size)
+    back = jax.lax.all_to_all(y_rows, EXPERT_AXIS, 0, 0, tiled=True)  # my slots, computed
+    y_assign = back.at[slot].get(mode="fill", fill_value=0)  # [T, k, D]
+    dropped = jnp.sum(~keep).astype(jnp.int32)
+    return _combine(y_assign, w), dropped
+
+
+def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                               *, axis_name, axis_size):
+    """Same contract as ``jax.lax.ragged_all_to_all``, built from ``all_gather`` + gathers so that
+    it runs on XLA:CPU. For tests of the ragged dispatcher's offset arithmetic only: it moves
+    ``axis_size`` times the data."""
+    import jax
+    import jax.numpy as jnp
+
+    del recv_sizes  # implied by the senders' send_sizes
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [X, N, D]
+    io = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # each sender's slice for me
+    ss = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    oo = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    r = jnp.arange(output.shape[0])
+    inside = (r[None, :] >= oo[:, None]) & (r[None, :] < (oo + ss)[:, None])  # [X, R]
+    s = jnp.argmax(inside, axis=0)
+    hit = jnp.any(inside, axis=0)
+    src = jnp.clip(io[s] + r - oo[s], 0, operand.shape[0] - 1)
+    vals = ops[s, src]
+    del axis_size
+    return jnp.where(hit[:, None], vals, output)
+
+
+def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, emulate):
+    import jax
+    import jax.numpy as jnp
+
+    t, k = idx.shape
+    d = x.shape[-1]
+    e_l = n_exp // n_x
+    n = t * k
+    if emulate:
+        ragged = functools.partial(ragged_all_to_all_emulated, axis_name=EXPERT_AXIS, axis_size=n_x)
+    else:
+        ragged = functools.partial(jax.lax.ragged_all_to_all, axis_name=EXPERT_AXIS)
+    flat_e = idx.reshape(-1)  # assignment a = token a // k, choice a % k
+    order = jnp.argsort(flat_e, stable=True)  # by expert, hence by destination device
+    inverse = jnp.argsort(order)
+    x_send = x[order // k]
+    cnt = jnp.zeros((n_exp,), jnp.int32).at[flat_e].add(1)
+    send_sizes = cnt.reshape(n_x, e_l).sum(1)
+    in_off = jnp.cumsum(send_sizes) - send_sizes
+    rc = jax.lax.all_to_all(cnt, EXPERT_AXIS, 0, 0, tiled=True).reshape(n_x, e_l)  # [src, l]
+    recv_sizes = rc.sum(1)
+    sizes_all = jax.lax.all_gather(send_sizes, EXPERT_AXIS)  # [src, dst]
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    out_off = (jnp.cumsum(sizes_all, 0) - sizes_all)[me]  # where my slice lands on each dst
+    r_max = n_x * t * min(k, e_l)  # worst case: every source sends all its tokens here
+    recv = ragged(x_send, jnp.zeros((r_max, d), x.dtype), in_off, send_sizes, out_off, recv_sizes)
+    # received rows: source-major, each source's rows sorted by local expert (counts rc[s, l])
+    seg_end = jnp.cumsum(rc.reshape(-1))
+    r = jnp.arange(r_max)
+    seg = jnp.searchsorted(seg_end, r, side="right")
+    row_e = jnp.where(r < seg_end[-1], seg % e_l, e_l)
+    y_rows = _local_compute(recv, r, row_e, wl, e_l, path, block_size)
+    recv_off = jnp.cumsum(recv_sizes) - recv_sizes
+    back_off = jax.lax.all_to_all(in_off, EXPERT_AXIS, 0, 0, tiled=True)  # src's offset for me
+    back = ragged(y_rows, jnp.zeros((n, d), x.dtype), recv_off, recv_sizes, back_off, send_sizes)
+    y_assign = back[inverse].reshape(t, k, d)
+    return _combine(y_assign, w), jnp.zeros((), jnp.int32)
+
+
+def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size):
+    import jax
+    import jax.numpy as jnp
+
+    t, k = idx.shape
+    e_l = n_exp // n_x
+    xg = jax.lax.all_gather(x, EXPERT_AXIS, axis=0, tiled=True)  # [X*T, D]
+    ig = jax.lax.all_gather(idx, EXPERT_AXIS, axis=0, tiled=True)
+    wg = jax.lax.all_gather(w, EXPERT_AXIS, axis=0, tiled=True)
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    le = ig - me * e_l
+    mine = (le >= 0) & (le < e_l)
+    row_e = jnp.where(mine, le, e_l).reshape(-1)  # assignment a = token a // k
+    src = jnp.arange(row_e.shape[0]) // k
+    y_rows = _local_compute(xg, src, row_e, wl, e_l, path, block_size)
+    part = _combine(y_rows.reshape(n_x * t, k, -1), jnp.where(mine, wg, 0.0))  # [X*T, D] fp32
+    y = jax.lax.psum_scatter(part, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    return y, jnp.zeros((), jnp.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# The dispatcher
+# --------------------------------------------------------------------------------------------
+
+
+def make_dispatch(cfg, mesh, kind: str):
+    """A callable with ``expert_ffn``'s signature running ``kind`` over ``mesh``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    if kind not in KINDS + TEST_KINDS:
+        raise UserError(f"unknown dispatcher {kind!r}; choose one of {', '.join(KINDS)}")
+    n_x = mesh.shape[EXPERT_AXIS]
+    n_chunks = cfg.mesh.dispatch_chunks
+    cf = cfg.mesh.a2a_capacity_factor
+    tok = P(TOKEN_AXES, None)
+    w_in = P(EXPERT_AXIS, None, TENSOR_AXIS)  # gate/up [E, D, I]: D gathered over fsdp (FSDP)
+    w_out = P(EXPERT_AXIS, TENSOR_AXIS, None)  # down [E, I, D]
+
+    def dispatch(x, topk_idx, topk_weights, weights, moe_cfg, *, path=None):
+        path = path or moe_cfg.compute_path
+        local_path = "ragged" if path == "ragged" else "blocked"
+        n_exp = weights["gate_proj"].shape[0]
+        if n_exp % n_x:
+            raise UserError(f"mesh axis expert={n_x} does not divide the {n_exp} experts")
+
+        def body(x, idx, w, wg, wu, wd):
+            t = x.shape[0]
+            if t % n_chunks:
+                raise UserError(
+                    f"mesh.dispatch_chunks={n_chunks} does not divide the {t} tokens per device"
+                )
+            wl = {"gate_proj": wg, "up_proj": wu, "down_proj": wd}
+            common = dict(n_exp=n_exp, n_x=n_x, path=local_path, block_size=moe_cfg.block_size)
+            if kind == "all_to_all":
+                one = functools.partial(_a2a_chunk, cf=cf, **common)
+            elif kind == "allgather":
+                one = functools.partial(_allgather_chunk, **common)
+            else:
+                one = functools.partial(_ragged_chunk, emulate=kind.endswith("_emulated"), **common)
+            tc = t // n_chunks
+            ys, dropped = [], jnp.zeros((), jnp.int32)
+            for c in range(n_chunks):  # unrolled: chunk c's collectives can overlap c+1's compute
+                sl = slice(c * tc, (c + 1) * tc)
+                yc, dc = one(x[sl], idx[sl], w[sl], wl)
+                ys.append(yc)
+                dropped = dropped + dc
+            y = ys[0] if n_chunks == 1 else jnp.concatenate(ys, 0)
+            y = jax.lax.psum(y, TENSOR_AXIS)  # partial sums over the I shards (no-op if tensor=1)
+            counts = jnp.zeros((n_exp,), jnp.int32).at[idx.reshape(-1)].add(1)
+            counts = jax.lax.psum(counts, TOKEN_AXES)
+            dropped = jax.lax.psum(dropped, TOKEN_AXES)
+            return y.astype(x.dtype), counts, dropped
+
+        f = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(tok, tok, tok, w_in, w_in, w_out),
+            out_specs=(tok, P(), P()),
+            check_vma=CHECK_VMA,
+        )
+        y, counts, dropped = f(
+            x, topk_idx, topk_weights.astype(jnp.float32),
+            weights["gate_proj"], weights["up_proj"], weights["down_proj"],
+        )
+        return y, {"counts": counts, "dropped": dropped}
+
+    dispatch.kind = kind
+    dispatch.mesh = mesh
+    return dispatch
+
+
+__all__ = ["KINDS", "make_dispatch", "ragged_all_to_all_emulated", "resolve_dispatcher"]

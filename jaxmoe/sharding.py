@@ -1,0 +1,539 @@
+"""Device mesh, the logical-axis rules table, and placement of params / optimizer state / batches.
+
+How sharding is decided, in three steps:
+
+1. **Mesh.** Four named axes, always in this order (names are a contract)::
+
+       replica   pure data-parallel replicas (params replicated across them)
+       fsdp      parameter / optimizer-state sharding inside a replica
+       expert    expert parallelism (experts' E axis), also FSDP for dense weights
+       tensor    optional tensor parallelism (the batch is *not* split over it)
+
+   ``--mesh replica=4,expert=384`` (or the config's ``[mesh]``) gives the sizes; one axis may be
+   ``-1`` to take the remaining devices. Axes not named are 1.
+
+2. **Logical axes.** Every parameter path of docs/LAYOUT.md gets logical axis names from ONE table,
+   :data:`PARAM_AXES` (keyed by the path's last components; the stacked layer axis of ``dense/``
+   and ``moe/`` leaves is ``"layers"`` and is never sharded).
+
+3. **Rules.** ONE table, :data:`LOGICAL_RULES`, maps each logical name to mesh axes (MaxText
+   style). Divisibility is checked per array: a *strict* logical axis (``batch``, ``experts``,
+   and anything over ``tensor``) that does not divide raises a one-line :class:`UserError` naming
+   the axis; an FSDP-style axis (``embed``, ``expert_embed``, ``lora``) that does not divide moves
+   its mesh axes (or a subset of them) to another unsharded dim of the same array that they
+   divide, and otherwise leaves the array replicated along them (recorded in
+   ``MeshContext.replicated``). This fallback is what makes the seed's ``replica=4, expert=384``
+   layout expressible: 384 = 3 * 128 divides few of europa-952b's dense dims (``d_model=7168``
+   does not), so those matrices are sharded along their other dim where it divides (e.g. the
+   dense FFN's 13824) and the rest (embedding, lm_head, ``o_proj`` [8192, 7168], ``kv_a_proj``,
+   ``kv_b_proj``) stay replicated — see ``tests/test_sharding.py`` for the per-device size.
+
+Optimizer state is sharded like the parameter it belongs to: every optax leaf whose key path ends
+in a parameter path and whose shape equals that parameter's gets the parameter's sharding; other
+leaves (counts, scalars) are replicated.
+
+Placement works for concrete arrays and for ``jax.ShapeDtypeStruct`` trees (restore targets get
+``.sharding`` attached, so Orbax restores straight into the new layout — including a different
+mesh or process count than the one that saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from jaxmoe.config import Config
+from jaxmoe.errors import UserError
+
+AXES = ("replica", "fsdp", "expert", "tensor")
+BATCH_AXES = ("replica", "fsdp", "expert")  # the batch is split over every axis but `tensor`
+
+# --------------------------------------------------------------------------------------------
+# THE rules table: logical axis name -> mesh axes (None = replicated along that dim)
+# --------------------------------------------------------------------------------------------
+
+LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "layers": None,  # scanned layer stacks: never sharded (the scan slices it)
+    "vocab": ("tensor",),
+    "embed": ("fsdp", "expert"),  # dense weights: FSDP over fsdp x expert
+    "heads": ("tensor",),
+    "mlp": ("tensor",),
+    "lora": ("fsdp", "expert"),  # MLA low-rank dims: FSDP too (q_b_proj/kv_b_proj have no embed dim)
+    "norm": None,
+    "router_experts": None,  # router's E output dim and the expert bias: tiny, replicated
+    "experts": ("expert",),  # experts' E axis
+    "expert_embed": ("fsdp",),  # when fsdp > 1 the experts' next dim is FSDP-sharded too
+    "expert_mlp": ("tensor",),
+}
+
+# logical axes whose mesh axes may move to another dim of the same array (or shrink to a subset)
+# when they do not divide; every other sharded logical axis must divide exactly (else UserError)
+FSDP_LIKE = {"embed", "expert_embed", "lora"}
+
+# path suffix -> logical axes (without the leading "layers" axis of dense/ and moe/ leaves)
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("norm",),
+    "attn_norm": ("norm",),
+    "ffn_norm": ("norm",),
+    # GQA
+    "attn/q_proj": ("embed", "heads"),
+    "attn/k_proj": ("embed", "heads"),
+    "attn/v_proj": ("embed", "heads"),
+    "attn/o_proj": ("heads", "embed"),
+    "attn/q_norm": ("norm",),
+    "attn/k_norm": ("norm",),
+    # MLA
+    "attn/q_a_proj": ("embed", "lora"),
+    "attn/q_a_norm": ("norm",),
+    "attn/q_b_proj": ("lora", "heads"),
+    "attn/kv_a_proj": ("embed", "lora"),
+    "attn/kv_a_norm": ("norm",),
+    "attn/kv_b_proj": ("lora", "heads"),
+    # dense FFN and shared experts
+    "mlp/gate_proj": ("embed", "mlp"),
+    "mlp/up_proj": ("embed", "mlp"),
+    "mlp/down_proj": ("mlp", "embed"),
+    "shared/gate_proj": ("embed", "mlp"),
+    "shared/up_proj": ("embed", "mlp"),
+    "shared/down_proj": ("mlp", "embed"),
+    # MoE
+    "router": ("embed", "router_experts"),
+    "experts/gate_proj": ("experts", "expert_embed", "expert_mlp"),
+    "experts/up_proj": ("experts", "expert_embed", "expert_mlp"),
+    "experts/down_proj": ("experts", "expert_mlp", "expert_embed"),
+    "expert_bias": ("router_experts",),
+}
+
+LAYER_PREFIXES = ("dense", "moe")
+
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...] | None:
+    """Logical axis names of a parameter/buffer leaf from its ``/``-joined path and rank.
+
+    Returns None for a path the table does not know (the leaf is then replicated)."""
+    parts = path.split("/")
+    layered = parts[0] in LAYER_PREFIXES
+    for n in (2, 1):
+        key = "/".join(parts[-n:])
+        if key in PARAM_AXES and (n < len(parts) or not layered):
+            axes = PARAM_AXES[key]
+            if layered:
+                axes = ("layers",) + axes
+            if len(axes) != ndim:
+                raise ValueError(f"sharding rules: {path} has rank {ndim}, the table expects {axes}")
+            return axes
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Mesh
+# --------------------------------------------------------------------------------------------
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"replica=2,fsdp=2,expert=2"`` -> sizes of all four axes (unnamed axes are 1)."""
+    sizes = {a: 1 for a in AXES}
+    seen = set()
+    for item in spec.replace(" ", "").split(","):
+        if not item:
+            continue
+        if "=" not in item:
+            raise UserError(f"--mesh {spec!r}: expected AXIS=SIZE items, e.g. replica=2,fsdp=2,expert=2")
+        name, value = item.split("=", 1)
+        if name not in AXES:
+            raise UserError(f"--mesh {spec!r}: unknown axis {name!r}; axes are {', '.join(AXES)}")
+        if name in seen:
+            raise UserError(f"--mesh {spec!r}: axis {name!r} given twice")
+        seen.add(name)
+        try:
+            v = int(value)
+        except ValueError:
+            raise UserError(f"--mesh {spec!r}: size of {name!r} must be an integer, got {value!r}") from None
+        if v == 0 or v < -1:
+            raise UserError(f"--mesh {spec!r}: size of {name!r} must be positive or -1 (fill)")
+        sizes[name] = v
+    return sizes
+
+
+def resolve_mesh_shape(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
+    """Fill the one ``-1`` axis and check the product equals the device count."""
+    sizes = {a: int(sizes.get(a, 1)) for a in AXES}
+    fill = [a for a in AXES if sizes[a] == -1]
+    if len(fill) > 1:
+        raise UserError(f"mesh: at most one axis may be -1, got {', '.join(fill)}")
+    known = math.prod(v for v in sizes.values() if v != -1)
+    desc = ",".join(f"{a}={sizes[a]}" for a in AXES if sizes[a] != 1)
+    if fill:
+        if n_devices % known:
+            raise UserError(
+                f"mesh {desc}: the fixed axes ({known} devices) do not divide the {n_devices} devices"
+            )
+        sizes[fill[0]] = n_devices // known
+    elif known != n_devices:
+        raise UserError(
+            f"mesh {desc or 'all 1'}: axes multiply to {known} but there are {n_devices} devices; "
+            f"make replica*fsdp*expert*tensor = {n_devices} (or set one axis to -1)"
+        )
+    return sizes
+
+
+def make_mesh(sizes: dict[str, int], devices=None):
+    """A ``jax.sharding.Mesh`` over all four axes with Auto axis types (pjit-style placement;
+    jax 0.10's ``make_mesh`` defaults to Explicit, hence the explicit ``axis_types``)."""
+    import jax
+
+    shape = tuple(sizes[a] for a in AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+
+
+def mesh_sizes_from_config(cfg: Config) -> dict[str, int]:
+    return {a: getattr(cfg.mesh, a) for a in AXES}
+
+
+# --------------------------------------------------------------------------------------------
+# Specs
+# --------------------------------------------------------------------------------------------
+
+
+def _live(axes, sizes) -> tuple[str, ...]:
+    """Mesh axes of a rule with the size-1 ones dropped (keeps specs short and divisibility real)."""
+    return tuple(a for a in (axes or ()) if sizes[a] > 1)
+
+
+def _subsets(axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Non-empty sub-tuples of ``axes`` (order kept), largest first."""
+    out = []
+    for mask in range(1, 1 << len(axes)):
+        out.append(tuple(a for b, a in enumerate(axes) if mask >> b & 1))
+    return sorted(out, key=len, reverse=True)
+
+
+def spec_for(path: str, shape: tuple[int, ...], sizes: dict[str, int], replicated: list | None = None):
+    """PartitionSpec of one leaf from the rules table.
+
+    Each dim takes the live (size > 1) mesh axes of its logical name; a mesh axis is used at most
+    once per array (the first dim claiming it wins). A dim that the axes do not divide:
+
+    * FSDP-like (``embed``, ``expert_embed``, ``lora``): its axes are re-placed, largest product
+      first, on this dim or another free non-layer dim (largest dim first) that they divide, also
+      trying subsets of the axes (e.g. only ``fsdp`` when ``fsdp*expert`` does not divide);
+      nothing fits -> the array stays replicated along them (listed in ``replicated``);
+    * anything else (``experts`` over ``expert``, dims over ``tensor``): one-line UserError.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    axes = logical_axes(path, len(shape))
+    if axes is None:
+        if replicated is not None:
+            replicated.append(f"{path} (no rule)")
+        return P()
+    dims: list[tuple[str, ...]] = [()] * len(shape)
+    used: set[str] = set()
+    pending = []
+    for i, name in enumerate(axes):
+        mesh_axes = tuple(a for a in _live(LOGICAL_RULES.get(name) if name else None, sizes) if a not in used)
+        if not mesh_axes:
+            continue
+        n = math.prod(sizes[a] for a in mesh_axes)
+        if shape[i] % n == 0:
+            dims[i] = mesh_axes
+            used.update(mesh_axes)
+        elif name in FSDP_LIKE:
+            pending.append((i, name, mesh_axes))
+        else:
+            raise UserError(
+                f"mesh axis {'*'.join(f'{a}={sizes[a]}' for a in mesh_axes)} does not divide {path} "
+                f"dim {i} ({name}={shape[i]}); choose a mesh whose {'*'.join(mesh_axes)} size divides {shape[i]}"
+            )
+    for i, name, mesh_axes in pending:
+        avail = tuple(a for a in mesh_axes if a not in used)
+        free = [j for j in range(len(shape)) if j != i and not dims[j] and axes[j] != "layers"]
+        where = [i] + sorted(free, key=lambda j: -shape[j])
+        placed = False
+        for sub in _subsets(avail):
+            k = math.prod(sizes[a] for a in sub)
+            for j in where:
+                if not dims[j] and shape[j] % k == 0:
+                    dims[j] = sub
+                    used.update(sub)
+                    placed = True
+                    break
+            if placed:
+                break
+        left = [a for a in mesh_axes if a not in used]
+        if replicated is not None and left:
+            replicated.append(f"{path} (not sharded over {'*'.join(left)}: {name}={shape[i]})")
+    return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
+
+
+def _path_str(keypath) -> list[str]:
+    import jax
+
+    out = []
+    for k in keypath:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(str(k.key))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(str(k.name))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(str(k.idx))
+        else:
+            out.append(str(k))
+    return out
+
+
+def param_specs(tree, sizes: dict[str, int], replicated: list | None = None):
+    """PartitionSpecs for a params (or buffers) nested dict, leaf by leaf."""
+    import jax
+
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: spec_for("/".join(_path_str(kp)), tuple(x.shape), sizes, replicated), tree
+    )
+
+
+def matched_specs(tree, params, pspecs):
+    """Specs for a tree (e.g. optax state) whose leaves mirror params: a leaf whose key path ends
+    in a parameter's path and has that parameter's shape gets its spec; the rest are replicated."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    by_path = {}
+    for (kp, p), (_, s) in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(pspecs, is_leaf=lambda x: isinstance(x, P))
+    ):
+        by_path[tuple(_path_str(kp))] = (tuple(p.shape), s)
+
+    def one(kp, leaf):
+        names = tuple(_path_str(kp))
+        shape = tuple(getattr(leaf, "shape", ()))
+        for start in range(len(names)):
+            hit = by_path.get(names[start:])
+            if hit is not None and hit[0] == shape:
+                return hit[1]
+        return P()
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+# --------------------------------------------------------------------------------------------
+# The context handed to the trainer
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MeshContext:
+    """Everything the trainer needs to run on a mesh.
+
+    ``dispatch``: the expert-parallel dispatcher passed to the model (``jaxmoe.dispatch``).
+    ``place_state`` / ``place_batch``: put a train state / a host-local batch on the mesh.
+    ``replicated``: leaves the rules could not shard (for the log; see the module doc).
+    """
+
+    cfg: Config
+    mesh: Any
+    sizes: dict
+    dispatch: Callable | None
+    dispatcher: str
+    replicated: list = dataclasses.field(default_factory=list)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return BATCH_AXES
+
+    @property
+    def n_batch_shards(self) -> int:
+        return math.prod(self.sizes[a] for a in BATCH_AXES)
+
+    def named(self, spec):
+        from jax.sharding import NamedSharding
+
+        return NamedSharding(self.mesh, spec)
+
+    # -- state -----------------------------------------------------------------------------
+    def state_specs(self, state: dict) -> dict:
+        """PartitionSpecs for a train state {"params","buffers","opt_state", scalars...}."""
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        rep: list = []
+        specs = {}
+        pspec = param_specs(state["params"], self.sizes, rep)
+        for k, v in state.items():
+            if k == "params":
+                specs[k] = pspec
+            elif k == "buffers":
+                specs[k] = param_specs(v, self.sizes, rep)
+            elif k == "opt_state":
+                specs[k] = matched_specs(v, state["params"], pspec)
+            else:
+                specs[k] = jax.tree.map(lambda _: P(), v)
+        self.replicated = sorted(set(rep))
+        return specs
+
+    def state_shardings(self, state: dict) -> dict:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        return jax.tree.map(self.named, self.state_specs(state), is_leaf=lambda x: isinstance(x, P))
+
+    def place_state(self, state: dict) -> dict:
+        """Shard a train state. Concrete arrays are moved; ShapeDtypeStructs come back with
+        ``.sharding`` set (restore targets)."""
+        import jax
+
+        shardings = self.state_shardings(state)
+        return jax.tree.map(_place, state, shardings)
+
+    def place_params(self, params):
+        """Shard a params (or buffers) dict alone."""
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        specs = param_specs(params, self.sizes)
+        return jax.tree.map(lambda x, s: _place(x, self.named(s)), params, specs,
+                            is_leaf=lambda x: isinstance(x, P) or hasattr(x, "shape"))
+
+    # -- batch -----------------------------------------------------------------------------
+    def batch_sharding(self, ndim: int = 2):
+        from jax.sharding import PartitionSpec as P
+
+        return self.named(P(BATCH_AXES, *([None] * (ndim - 1))))
+
+    def place_batch(self, batch: dict) -> dict:
+        """Host-local numpy rows [B_local, ...] -> global arrays sharded over the batch axes.
+
+        Each process passes only its own rows (``jaxmoe.data.make_data(..., process_index,
+        process_count)``); ``jax.make_array_from_process_local_data`` stitches the global array."""
+        import jax
+        import numpy as np
+
+        out = {}
+        for k, v in batch.items():
+            v = np.asarray(v)
+            n_global = v.shape[0] * jax.process_count()
+            if n_global % self.n_batch_shards:
+                raise UserError(
+                    f"batch of {n_global} rows is not divisible by the batch axes "
+                    f"replica*fsdp*expert={self.n_batch_shards}; change train.batch_size or the mesh"
+                )
+            out[k] = jax.make_array_from_process_local_data(self.batch_sharding(v.ndim), v)
+        return out
+
+
+def _place(x, sharding):
+    import jax
+    import numpy as np
+
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    # Multi-process: every process holds the same full value (same seed); each builds its own
+    # addressable shards from it. (device_put onto non-addressable devices is not allowed.)
+    if isinstance(x, jax.Array) and x.is_fully_addressable is False:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+# --------------------------------------------------------------------------------------------
+# Validation and set-up
+# --------------------------------------------------------------------------------------------
+
+
+def validate_mesh(cfg: Config, sizes: dict[str, int]) -> None:
+    """One-line UserErrors for a mesh that cannot run this config (before any compute)."""
+    e, t = cfg.moe, cfg.train
+    if cfg.model.n_moe_layers and e.n_experts % sizes["expert"]:
+        raise UserError(
+            f"mesh axis expert={sizes['expert']} does not divide moe.n_experts={e.n_experts}; "
+            f"choose an expert axis size that divides {e.n_experts}"
+        )
+    nb = math.prod(sizes[a] for a in BATCH_AXES)
+    per_micro = t.batch_size // t.micro_batches
+    if per_micro % nb:
+        raise UserError(
+            f"batch axes replica*fsdp*expert={nb} do not divide the {per_micro} sequences per "
+            f"micro-batch (train.batch_size={t.batch_size} / train.micro_batches={t.micro_batches}); "
+            "change the batch size or the mesh"
+        )
+    tokens_local = per_micro * t.seq_len // nb
+    if tokens_local % cfg.mesh.dispatch_chunks:
+        raise UserError(
+            f"mesh.dispatch_chunks={cfg.mesh.dispatch_chunks} does not divide the {tokens_local} "
+            "tokens per device per micro-batch"
+        )
+
+
+def build_context(cfg: Config, sizes: dict[str, int] | None = None, *, dispatcher: str | None = None,
+                  devices=None) -> tuple[Config, MeshContext]:
+    """Resolve the mesh for the devices present, validate, and build the MeshContext.
+
+    Returns the config with the resolved mesh sizes (and dispatcher) written into ``cfg.mesh``."""
+    import jax
+
+    from jaxmoe import dispatch as dispatch_mod
+
+    sizes = dict(sizes if sizes is not None else mesh_sizes_from_config(cfg))
+    n = len(devices) if devices is not None else jax.device_count()
+    sizes = resolve_mesh_shape(sizes, n)
+    mesh_cfg = dataclasses.replace(cfg.mesh, **sizes)
+    if dispatcher is not None:
+        mesh_cfg = dataclasses.replace(mesh_cfg, dispatcher=dispatcher)
+    cfg = cfg.replace(mesh=mesh_cfg)
+    validate_mesh(cfg, sizes)
+    mesh = make_mesh(sizes, devices)
+    kind = dispatch_mod.resolve_dispatcher(cfg, platform=mesh.devices.flat[0].platform)
+    fn = dispatch_mod.make_dispatch(cfg, mesh, kind)
+    ctx = MeshContext(cfg=cfg, mesh=mesh, sizes=sizes, dispatch=fn, dispatcher=kind)
+    # check the rules against the real shapes now, so a bad mesh fails before any compute
+    from jaxmoe.model.transformer import init_params
+
+    params, buffers = jax.eval_shape(lambda: init_params(cfg, cfg.train.seed))
+    ctx.state_specs({"params": params, "buffers": buffers})
+    return cfg, ctx
+
+
+def setup_from_args(cfg: Config, args) -> tuple[Config, MeshContext]:
+    """CLI entry (``jaxmoe train``): XLA flag profile, multi-host init, mesh, dispatcher.
+
+    Order matters: the XLA flag profile must be in XLA_FLAGS and ``jax.distributed.initialize``
+    must run before anything touches a jax backend (``jax.devices()`` etc.)."""
+    from jaxmoe import distributed
+
+    distributed.apply_xla_flags_profile(cfg.mesh.xla_flags_profile)
+    distributed.initialize_from_args(args)
+    spec = getattr(args, "mesh", None)
+    sizes = parse_mesh(spec) if spec else mesh_sizes_from_config(cfg)
+    cfg, ctx = build_context(cfg, sizes)
+    import jax
+
+    if jax.process_index() == 0 and not getattr(args, "quiet", False):
+        desc = ",".join(f"{a}={ctx.sizes[a]}" for a in AXES)
+        print(f"mesh {desc} over {jax.device_count()} devices in {jax.process_count()} process(es); "
+              f"dispatcher {ctx.dispatcher}" + (f"; replicated: {len(ctx.replicated)} leaves" if ctx.replicated else ""))
+    return cfg, ctx
+
+
+__all__ = [
+    "AXES",
+    "BATCH_AXES",
+    "LOGICAL_RULES",
+    "PARAM_AXES",
+    "MeshContext",
+    "build_context",
+    "logical_axes",
+    "make_mesh",
+    "matched_specs",
+    "param_specs",
+    "parse_mesh",
+    "resolve_mesh_shape",
+    "setup_from_args",
+    "spec_for",
+    "validate_mesh",
+]
