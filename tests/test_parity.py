@@ -1,0 +1,138 @@
+"""The parity suite itself: it passes on agreeing implementations, covers every parameter, can
+replay routing, classifies routing flips, and fails (at the right probe) when torch_ref is broken.
+
+The fast profile keeps this file small (4 x 32 tokens, 2 optimizer steps, forward-only fault
+runs); the full matrix (`python -m parity run --all`) stays out of CI.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxmoe.config import load_config
+from parity.runner import Checks, RunOptions, compare_routing, first_divergence, run_suite, selection_gap
+from parity.tolerances import FLOAT32_ADAMW
+
+# jax-side results (weights, compiled forward, gradients) shared by the end-to-end tests of one
+# configuration: the jax side does not change between them, only the torch side (faults) does.
+JAX_CACHE: dict = {}
+
+# --------------------------------------------------------------------------------------------
+# cheap unit tests of the comparison logic (no model)
+# --------------------------------------------------------------------------------------------
+
+
+def test_selection_gap_hand_computed():
+    e = load_config("tiny").moe  # softmax, top-2 of 8, no groups
+    scores = np.array([[0.30, 0.25, 0.249, 0.2, 0.001, 0.0, 0.0, 0.0]], np.float32)
+    # boundary: 2nd (0.25) vs 3rd (0.249)
+    np.testing.assert_allclose(selection_gap(scores, None, e), [0.001], rtol=1e-5)
+
+    g = load_config("tiny-mla").moe  # sigmoid + bias, 4 groups of 2, keep 2, top-2
+    s = np.array([[0.9, 0.1, 0.5, 0.45, 0.2, 0.2, 0.6, 0.05]])
+    bias = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.3])
+    # selection scores: [0.9, 0.1 | 0.5, 0.45 | 0.2, 0.2 | 0.6, 0.35]; group scores 1.0, 0.95, 0.4, 0.95
+    # kept groups 0 and (tie 0.95: lower index) 1; group gap = 0.95 - 0.95 = 0
+    np.testing.assert_allclose(selection_gap(s, bias, g), [0.0], atol=1e-12)
+    bias2 = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # selection: groups 1.0, 0.95, 0.4, 0.65 -> keep 0, 1; group gap 0.95 - 0.65 = 0.3;
+    # experts of kept groups sorted: 0.9, 0.5, 0.45, 0.1 -> expert gap 0.5 - 0.45 = 0.05
+    np.testing.assert_allclose(selection_gap(s, bias2, g), [0.05], rtol=1e-9)
+
+
+def test_routing_classification_near_tie_vs_real():
+    cfg = load_config("tiny", overrides=["model.n_layers=1"])
+    scores = np.array([[0.4, 0.3, 0.3 - 1e-7, 0.0, 0, 0, 0, 0.0],  # near-tie at the boundary
+                       [0.5, 0.3, 0.1, 0.1, 0, 0, 0, 0.0]], np.float32)  # clear gap 0.2
+    jax_idx = np.array([[[0, 1], [0, 1]]])
+    torch_idx = np.array([[[0, 2], [0, 2]]])  # token 0: near-tie flip; token 1: real mismatch
+    aux = lambda idx: {"router": {"topk_idx": idx, "scores": scores[None]}}  # noqa: E731
+    checks = Checks()
+    summary = compare_routing(cfg, aux(jax_idx), aux(torch_idx), None, FLOAT32_ADAMW, checks)
+    assert (summary["near_tie"], summary["real"]) == (1, 1)
+    assert checks.items[0]["name"] == "routing[0]" and not checks.items[0]["passed"]
+
+
+def test_first_divergence_is_earliest_in_forward_order():
+    c = Checks()
+    c.add("loss:ce", "rel", 1.0, 0.1, stage="loss")
+    c.add("moe_out[1]", "x", 1.0, 0.1, stage="forward", order=(2, 6), layer=1)
+    c.add("attn_out[1]", "x", 1.0, 0.1, stage="forward", order=(2, 0), layer=1)
+    c.add("attn_out[0]", "x", 0.0, 0.1, stage="forward", order=(1, 0), layer=0)
+    fd = first_divergence(c.items)
+    assert fd["name"] == "attn_out[1]" and fd["layer"] == 1
+    assert first_divergence([i for i in c.items if i["stage"] != "forward"])["name"] == "loss:ce"
+
+
+def test_cli_bad_input_is_one_line_error(capsys):
+    from parity.__main__ import main
+
+    assert main(["run", "--preset", "no-such-preset", "--steps", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("parity: error:") and "no-such-preset" in err and "\n" not in err
+
+
+# --------------------------------------------------------------------------------------------
+# end to end (fast profile)
+# --------------------------------------------------------------------------------------------
+
+
+def test_tiny_mla_fast_profile_passes_and_covers_every_parameter(tmp_path):
+    import torch
+
+    from parity.report import write_report
+    from torch_ref.transformer import TorchTransformer
+
+    opts = RunOptions(preset="tiny-mla", profile="fast", steps=2)
+    rep = run_suite(opts)
+    failed = [c for c in rep["checks"] if not c["passed"]]
+    assert rep["passed"], failed[:5]
+    assert rep["first_divergence"] is None
+    names = {n for n, _ in TorchTransformer(load_config("tiny-mla"), seed=0).named_parameters()}
+    grads = {c["name"].split(":", 1)[1] for c in rep["checks"] if c["name"].startswith("grad:")}
+    assert grads == names
+    stepped = {c["name"].split(":", 1)[1] for c in rep["checks"] if c["name"].startswith("step2_param:")}
+    assert stepped == names
+    assert any(c["name"] == "step2_expert_bias" for c in rep["checks"])
+    # the bias really moved during the steps, so the bias check compares something
+    bias_check = next(c for c in rep["checks"] if c["name"] == "step2_expert_bias")
+    assert bias_check["moved_by"] > 0
+    assert len(rep["loss_curves"]["jax"]) == 2
+    out = write_report(rep, tmp_path / "r")
+    data = json.loads((out / "report.json").read_text())
+    assert data["passed"] is True and {"name", "metric", "value", "tolerance", "passed"} <= set(data["checks"][0])
+    assert "| check |" in (out / "report.md").read_text()
+    assert (out / "loss_curves.png").exists() and (out / "layer_errors.png").exists()
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_forced_routing_replays_the_other_side():
+    rep = run_suite(RunOptions(preset="tiny", profile="fast", force_routing="torch", steps=0), jax_cache=JAX_CACHE)
+    assert rep["passed"], [c for c in rep["checks"] if not c["passed"]][:5]
+    assert rep["comparison_routing"].startswith("jax replays torch")
+
+
+def test_fault_injection_self_test():
+    from parity.faults import selftest
+
+    ok, rows = selftest(profile="fast", log=None, jax_cache=JAX_CACHE)
+    bad = [r for r in rows if not r["ok"]]
+    assert ok, bad
+    faults = [r for r in rows if r["caught"] is not None]
+    assert len(faults) == 5 and all(r["caught"] for r in faults)
+
+
+@pytest.mark.parametrize("name", ["rope-layout"])
+def test_a_fault_fails_the_gradient_checks(name):
+    """With gradients too: the injected fault fails the gradient checks, not just the forward."""
+    from parity.faults import default_faults
+
+    fault = next(f for f in default_faults() if f.name == name)
+    rep = run_suite(RunOptions(preset=fault.preset, overrides=fault.overrides, profile="fast", steps=0),
+                    fault=fault, jax_cache=JAX_CACHE)
+    assert not rep["passed"]
+    assert rep["first_divergence"]["name"] == "attn_out[0]"
+    assert any(not c["passed"] for c in rep["checks"] if c["name"].startswith("grad:"))
