@@ -22,7 +22,9 @@ Typed PRNG keys (``jax.random.key``) are not serialisable by Orbax: they are sav
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,163 @@ def _with_default_sharding(tree):
     return jax.tree_util.tree_map(fix, tree)
 
 
+# --------------------------------------------------------------------------------------------
+# Streaming numpy leaves (used by ``save_model(..., stream=True)``, i.e. ``jaxmoe convert``)
+# --------------------------------------------------------------------------------------------
+
+
+def _file_mapping(arr) -> mmap.mmap | None:
+    """The ``mmap`` behind a numpy array (an ``np.memmap`` or a view of one), else None."""
+    base = arr
+    while base is not None:
+        if isinstance(base, mmap.mmap):
+            return base
+        base = getattr(base, "base", None)
+    return None
+
+
+def release_pages(arr) -> None:
+    """Drop the resident pages of a file-backed numpy array from this process.
+
+    Pages of a shared file mapping that this process has touched count in its RSS (and so in
+    its peak RSS, ``VmHWM``) until they are unmapped. ``MADV_DONTNEED`` unmaps them: the data
+    stays in the file (and the kernel's page cache, which is not process memory) and is read
+    back on the next access. No-op for arrays that are not file-backed.
+    """
+    mm = _file_mapping(arr)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)
+
+
+# Streaming saves cut numpy leaves into contiguous Zarr chunks of at most this many bytes
+# (Orbax's own default is one chunk per leaf up to 2 GiB) and write them one chunk at a time.
+STREAM_CHUNK_BYTES = 64 * 2**20
+
+
+def _chunk_boxes(shape, chunk):
+    """Index tuples of the chunk grid of an array of ``shape`` (C order)."""
+    grid = [range(0, n, max(c, 1)) for n, c in zip(shape, chunk)]
+    for starts in np.ndindex(*[len(g) for g in grid]):
+        # edge chunks are clipped to the array (TensorStore rejects out-of-bounds boxes)
+        yield tuple(slice(g[i], min(g[i] + c, n))
+                    for g, i, c, n in zip(grid, starts, chunk, shape))
+
+
+def _slab_chunks(shape, itemsize: int, limit: int):
+    """A chunk shape of at most ``limit`` bytes that is one contiguous run in C order.
+
+    E.g. ``[4, 64, 1024, 512]`` fp32 with 64 MiB -> ``[1, 32, 1024, 512]``: whole trailing
+    dims, split only along the leading ones.
+    """
+    shape = tuple(max(int(n), 1) for n in shape)
+    for axis in range(len(shape)):
+        trailing = int(np.prod(shape[axis + 1:], dtype=np.int64)) * itemsize
+        if trailing <= limit:
+            k = max(1, min(shape[axis], limit // max(trailing, 1)))
+            return (1,) * axis + (k,) + shape[axis + 1:]
+    return (1,) * len(shape)
+
+
+def _zarr_metadata(spec):
+    """The Zarr v2 ``metadata`` dicts (with ``chunks``) inside a TensorStore JSON spec."""
+    if isinstance(spec, dict):
+        if isinstance(spec.get("metadata"), dict) and "chunks" in spec["metadata"]:
+            yield spec["metadata"]
+        for v in spec.values():
+            yield from _zarr_metadata(v)
+
+
+class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
+    """Orbax's numpy handler, writing one chunk of one leaf at a time and never copying a leaf.
+
+    Same typestr (``np.ndarray``) and the same TensorStore specs as
+    :class:`orbax.checkpoint.type_handlers.NumpyHandler`, so the files are in the format a
+    normal save of numpy leaves writes and any reader restores them. Differences:
+
+    * no defensive deep copy of the leaves (``deepcopy_host_arrays=False``): only safe when the
+      caller keeps the arrays unchanged until the save is committed, which
+      :func:`save_model` does (it blocks);
+    * the stock handler starts every leaf's write at once; here a lock makes them run one
+      after another, each leaf chunk by chunk, and after each chunk the leaf's file-backed
+      pages are dropped (:func:`release_pages`);
+    * leaves over :data:`STREAM_CHUNK_BYTES` get Zarr chunks that split only the leading axes
+      (:func:`_slab_chunks`), so a chunk is one contiguous byte range of the leaf. Orbax's
+      own choice (``SaveArgs.chunk_byte_size``) splits the largest axis first, e.g. the
+      ``D`` axis of ``[L, E, D, I]``; such a chunk is strided over the whole leaf and reading
+      it through an ``mmap`` faulted in 434 MB of a 537 MB leaf for a 64 MB chunk (the kernel
+      maps whole large folios). The chunk shape is recorded in the array's own Zarr metadata
+      (Orbax's ``_METADATA`` does not store it), so every reader handles it. (Written as one
+      537 MB chunk per leaf, TensorStore also kept ~474 MB of encoded data per leaf until the
+      save ended; with 64 MiB chunks written one by one it does not.)
+
+    With ``np.memmap`` leaves the process then holds about two chunks at a time instead of the
+    whole tree. Relies on ``NumpyHandler._open_and_write`` (one call per leaf) in
+    orbax-checkpoint 0.12.x; ``tests/test_port.py`` checks that the writes run one at a time
+    in the expected chunks, read back bit-exactly, and that peak RSS grows by less than a leaf.
+    """
+
+    def __init__(self, chunk_bytes: int | None = None):
+        super().__init__(deepcopy_host_arrays=False)
+        self.chunk_bytes = int(chunk_bytes or STREAM_CHUNK_BYTES)
+        self._lock: asyncio.Lock | None = None
+        self.trace: list[tuple[str, int]] = []  # ("start"|"end", chunk count) per leaf, for tests
+
+    async def _background_serialize(self, values, infos, args=None):
+        self._lock = asyncio.Lock()  # bound to this save's event loop
+        await super()._background_serialize(values, infos, args)
+
+    async def _open_and_write(self, value, tspec, ts_context):
+        import tensorstore as ts
+
+        if value.nbytes > self.chunk_bytes:
+            for md in _zarr_metadata(tspec):
+                md["chunks"] = _slab_chunks(value.shape, value.dtype.itemsize, self.chunk_bytes)
+        async with self._lock:
+            self.trace.append(("start", 0))
+            n = 0
+            try:
+                t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+                # (Orbax refuses 0-size arrays before this point)
+                for box in _chunk_boxes(value.shape, t.chunk_layout.write_chunk.shape):
+                    await t[box].write(value[box], can_reference_source_data_indefinitely=True)
+                    release_pages(value)
+                    n += 1
+            finally:
+                release_pages(value)
+                self.trace.append(("end", n))
+
+
+def _streaming_registry(numpy_handler):
+    """Orbax's default type handlers with ``np.ndarray`` (and np.memmap) -> ``numpy_handler``."""
+    get = ocp.type_handlers.get_type_handler
+    return ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, numpy_handler),
+        (jax.Array, get(jax.Array)),
+        (int, get(int)), (float, get(float)), (bytes, get(bytes)), (np.number, get(np.number)),
+        (str, get(str)),
+    )
+
+
+def _streaming_state_handler(numpy_handler) -> ocp.StandardCheckpointHandler:
+    """The state item's handler for streaming saves: a ``StandardCheckpointHandler`` whose inner
+    PyTree handler writes numpy leaves with ``numpy_handler``.
+
+    ``StandardCheckpointHandler`` is a thin wrapper that delegates to a
+    ``PyTreeCheckpointHandler`` (its ``_impl`` in orbax-checkpoint 0.12.x); only that inner
+    handler takes a type-handler registry. Swapping it keeps everything else -- the
+    ``StandardSave`` args, the handler name in the step metadata, the files -- exactly as a
+    normal :meth:`Checkpointer.save` writes them. (A ``PyTreeCheckpointHandler`` subclass is
+    not an option: Orbax matches save args to handler classes exactly.)
+    """
+    handler = ocp.StandardCheckpointHandler()
+    if not isinstance(getattr(handler, "_impl", None), ocp.PyTreeCheckpointHandler):
+        raise RuntimeError("this orbax-checkpoint version has no StandardCheckpointHandler._impl "
+                           "PyTree handler; streaming saves need updating (jaxmoe/checkpoint.py)")
+    handler._impl = ocp.PyTreeCheckpointHandler(
+        use_ocdbt=True, type_handler_registry=_streaming_registry(numpy_handler))
+    return handler
+
+
 class Checkpointer:
     """Save / restore ``(state, meta)`` by step in ``directory`` (normally ``RUN_DIR/checkpoints``).
 
@@ -112,7 +271,15 @@ class Checkpointer:
     reading the files or exiting. Only the newest ``keep`` checkpoints are kept.
     """
 
-    def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory, *, keep: int = 3, async_save: bool = True,
+                 stream_numpy: bool = False):
+        """``stream_numpy``: write numpy leaves one at a time without copying them (see
+        :class:`_StreamingNumpyHandler`); needs ``async_save=False``. Same files either way."""
+        if stream_numpy and async_save:
+            raise ValueError("stream_numpy=True needs async_save=False (leaves are not copied)")
+        self.stream_numpy = stream_numpy
+        # the handler that writes numpy leaves when streaming (its .trace records the writes)
+        self.stream_handler = _StreamingNumpyHandler() if stream_numpy else None
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise UserError(f"checkpoint directory {self.directory} is a file, not a directory")
@@ -125,7 +292,8 @@ class Checkpointer:
         self._mgr = ocp.CheckpointManager(
             self.directory,
             item_names=(_STATE, _META),
-            item_handlers={_STATE: ocp.StandardCheckpointHandler(),
+            item_handlers={_STATE: (_streaming_state_handler(self.stream_handler) if stream_numpy
+                                    else ocp.StandardCheckpointHandler()),
                            _META: ocp.JsonCheckpointHandler()},
             options=options,
         )
@@ -247,15 +415,19 @@ class Checkpointer:
 # --------------------------------------------------------------------------------------------
 
 
-def save_model(run_dir, cfg, params, buffers, step: int = 0) -> None:
+def save_model(run_dir, cfg, params, buffers, step: int = 0, *, stream: bool = False) -> None:
     """Write ``RUN_DIR/config.toml`` and a checkpoint of ``{"params", "buffers"}`` at ``step``
-    (the layout training uses, minus the optimizer state); blocks until committed."""
+    (the layout training uses, minus the optimizer state); blocks until committed.
+
+    ``stream=True`` writes numpy leaves one at a time without copying them: pass ``np.memmap``
+    leaves (files on disk) and peak memory stays at about one leaf instead of the model (used
+    by ``jaxmoe convert --to orbax:``). The checkpoint is the same either way."""
     from jaxmoe.config import config_to_toml
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(config_to_toml(cfg))
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=0, async_save=False)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=0, async_save=False, stream_numpy=stream)
     try:
         ckpt.save(step, {"params": params, "buffers": buffers},
                   {"step": int(step), "config": cfg.to_dict(), "kind": "model"})
@@ -289,4 +461,4 @@ def load_model(run_dir, step: int | None = None):
 # Orbax logs every save/restore at INFO through absl; keep it quiet unless asked.
 logging.getLogger("absl").setLevel(logging.WARNING)
 
-__all__ = ["Checkpointer", "load_model", "save_model"]
+__all__ = ["Checkpointer", "load_model", "release_pages", "save_model"]

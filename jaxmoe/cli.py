@@ -107,6 +107,9 @@ def main(argv=None) -> int:
     except (ConfigError, UserError) as e:
         print(f"jaxmoe {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `jaxmoe count ... | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"jaxmoe {args.command}: interrupted", file=sys.stderr)
         return 130
