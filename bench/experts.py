@@ -76,14 +76,15 @@ def main(argv=None) -> dict:
                         block_size=args.block_size,
                         capacity_factor=1.0 if path == "dense" else 0.0)
 
-        def loss(x, w, cfg=cfg):
-            y, _ = expert_ffn(x, topk_idx, topk_w, w, cfg)
+        # routing enters as jit arguments (as in the model), not as constants XLA would fold
+        def loss(x, w, idx, gw, cfg=cfg):
+            y, _ = expert_ffn(x, idx, gw, w, cfg)
             return jnp.sum(y * y)
 
-        fwd = jax.jit(lambda x, w, cfg=cfg: expert_ffn(x, topk_idx, topk_w, w, cfg)[0])
+        fwd = jax.jit(lambda x, w, idx, gw, cfg=cfg: expert_ffn(x, idx, gw, w, cfg)[0])
         fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-        t_fwd = _time(fwd, x, weights, repeats=args.repeats)
-        t_fb = _time(fb, x, weights, repeats=args.repeats)
+        t_fwd = _time(fwd, x, weights, topk_idx, topk_w, repeats=args.repeats)
+        t_fb = _time(fb, x, weights, topk_idx, topk_w, repeats=args.repeats)
         g_fb = 3 * fwd_flops / t_fb / 1e9
         g_fwd = fwd_flops / t_fwd / 1e9
         out["paths"][path] = {

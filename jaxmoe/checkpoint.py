@@ -23,6 +23,7 @@ Typed PRNG keys (``jax.random.key``) are not serialisable by Orbax: they are sav
 from __future__ import annotations
 
 import asyncio
+import sys
 import logging
 import mmap
 from pathlib import Path
@@ -289,11 +290,19 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
         )
+        state_handler = ocp.StandardCheckpointHandler()
+        if stream_numpy:
+            try:
+                state_handler = _streaming_state_handler(self.stream_handler)
+            except (RuntimeError, AttributeError, TypeError) as e:
+                # Another orbax-checkpoint release without the 0.12.x internals: write the same
+                # files the ordinary way (memory then scales with the model, not the leaf).
+                print(f"jaxmoe: streaming Orbax save unavailable ({e}); saving without streaming",
+                      file=sys.stderr)
         self._mgr = ocp.CheckpointManager(
             self.directory,
             item_names=(_STATE, _META),
-            item_handlers={_STATE: (_streaming_state_handler(self.stream_handler) if stream_numpy
-                                    else ocp.StandardCheckpointHandler()),
+            item_handlers={_STATE: state_handler,
                            _META: ocp.JsonCheckpointHandler()},
             options=options,
         )
