@@ -60,12 +60,10 @@ class Tolerances:
 #   python -m parity run --preset tiny-mla --dtype float32 --steps 20     (full profile, 8 x 64)
 #     probes 5.2e-7, router logits 3.0e-7, gate weights 3.6e-7, logits max abs 2.7e-7,
 #     logits KL 7.5e-16, losses 1.2e-7, gradients 6.9e-7 (router of layer 2),
-#     step losses 3.1e-6, step params 2.1e-5 except expert 1 of layer 2 (1.8e-2) and that
-#     layer's router (2.2e-4): a real difference, not noise -- that expert got no token at
-#     step 15; torch_ref leaves its .grad None so torch AdamW skips it (no momentum, no decay)
-#     while jaxmoe's optax AdamW updates it with a zero gradient. Those 4 checks fail until one
-#     side changes; everything else passes. Confirmed: with torch_ref's missing grads set to zeros
-#     (an in-memory patch in a scratch script) the same run passes all 226 checks.
+#     step losses 3.1e-6, step params 2.1e-5. (This run first found a real difference: expert 1
+#     of layer 2 got no token at step 15, torch_ref left its .grad None so torch AdamW skipped it
+#     while optax stepped it with a zero gradient; torch_ref/train.py now gives unused experts a
+#     zero gradient, as stacked experts have, and the run passes all 226 checks.)
 #   python -m parity run --preset tiny --dtype float32 --steps 20
 #     probes 4.4e-7, gate weights 1.2e-7, logits 3.0e-7, KL 7.9e-16, losses 6.2e-8, gradients
 #     8.7e-7, step losses 1.7e-7, step params 3.0e-6 (no routing flip during training)
@@ -88,34 +86,53 @@ FLOAT32_ADAMW = Tolerances(
     step_bias_abs=1e-9,  # measured 0 (sign updates on identical counts)
 )
 
-# bf16 compute (fp32 master weights, router/combine/losses fp32). NOT YET MEASURED: these are the
-# brief's starting points (KL 1e-3, gradients 3e-2) with the other entries set by the bf16 unit
-# roundoff (2^-8 = 3.9e-3) times the depth of the computation; calibrate with
-#   python -m parity run --preset tiny-mla --dtype bfloat16 --steps 5 --profile fast
+# Over N optimizer steps, bf16 compute or bf16 Newton-Schulz make the two trajectories separate:
+# rounding differences at bf16 resolution (2^-8) flip near-tie routing decisions during training
+# (measured: counts differed in 18-20 of 20 steps), a flipped token trains another expert, and Adam
+# or Muon (both normalise the update) turn that into O(lr) weight differences that then feed back
+# into the loss. So these profiles check every *forward* and *gradient* quantity at bf16-derived
+# tolerances, the loss *curve* tightly, and the parameters after N steps at a bound set from the
+# measured separation. Single-update equivalence of the optimizers is proven separately, without
+# trajectory noise: tests/test_optim.py (jaxmoe Muon vs torch.optim.Muon within one bf16 rounding
+# per update with bf16 NS, <= 1e-6 with fp32 NS against torch's algorithm in fp32; AdamW <= 1e-6).
+#
+# bf16 compute (fp32 master weights; router, combine and losses fp32). Measured:
+#   python -m parity run --preset tiny-mla --dtype bfloat16 --steps 20
+#     probes <= 9.8e-3 (scaled), router logits 4.9e-3, gate weights 8.7e-4, logits KL 3.3e-7,
+#     losses 5.2e-6, gradients 1.2e-2, step losses 4.6e-4, step params 3.8e-2 (not flipped),
+#     1.9e-1 (flipped experts), expert bias 5.5e-3; near-tie routing flips 4, real 0
+#   python -m parity run --preset tiny --dtype bfloat16 --steps 20
+#     probes <= 9.6e-3, gate weights 9.4e-4, KL 3.6e-7, losses 1.4e-5, gradients 1.7e-2,
+#     step losses 1.6e-4, step params 2.0e-2 (not flipped), 1.1e-1 (flipped)
 BFLOAT16_ADAMW = Tolerances(
     name="bfloat16-adamw",
-    tie_gap=3e-2,
-    gate_abs=3e-2,
-    probe_scaled=1e-1,
+    tie_gap=3e-2,  # bf16 router inputs: score errors ~5e-3
+    gate_abs=1e-2,  # measured 9.4e-4
+    probe_scaled=5e-2,  # measured 9.8e-3
     logits_abs=None,
-    logits_kl=1e-3,
-    loss_rel=1e-2,
-    grad_rel_l2=3e-2,
-    step_loss_rel=3e-2,
-    step_param_rel_l2=3e-2,
-    step_bias_abs=1e-2,
+    logits_kl=1e-3,  # the brief's bound; measured 3.6e-7
+    loss_rel=1e-3,  # measured 1.4e-5
+    grad_rel_l2=3e-2,  # the brief's bound; measured 1.7e-2
+    step_loss_rel=3e-3,  # measured 4.6e-4
+    step_param_rel_l2=1.5e-1,  # measured 3.8e-2 (trajectory separation, see above)
+    step_bias_abs=3e-2,  # measured 5.5e-3
+    step_flip_rel_l2=1.0,  # measured 1.9e-1; a reporting bound for experts trained on other tokens
 )
 
-# Muon (NOT YET MEASURED; calibrate with python -m parity run --preset tiny --optimizer muon):
-# Newton-Schulz runs in bf16 on both sides (torch.optim.Muon does so unconditionally), and
-# XLA:CPU and ATen round the bf16 matmuls differently, so the *updates* of every Muon matrix
-# differ at bf16 resolution even when gradients agree to fp32 precision.
+# Muon (fp32 compute). torch.optim.Muon runs Newton-Schulz in bf16 unconditionally, so the suite
+# runs jaxmoe's Muon with bf16 NS too, and each update agrees only to bf16 resolution. Forward and
+# gradient checks keep the fp32 tolerances (measured unchanged). Measured:
+#   python -m parity run --preset tiny --optimizer muon --steps 20
+#     step losses 1.2e-4, step params 3.0e-2 (not flipped), 1.7e-1 (flipped experts)
+#   python -m parity run --preset tiny-mla --optimizer muon --steps 20
+#     step losses 2.9e-4, step params 5.5e-2 (not flipped), 4.1e-1 (flipped experts)
 FLOAT32_MUON = dataclasses.replace(
     FLOAT32_ADAMW,
     name="float32-muon",
-    step_loss_rel=1e-2,
-    step_param_rel_l2=1e-2,
-    step_bias_abs=1e-2,
+    step_loss_rel=3e-3,
+    step_param_rel_l2=1.5e-1,
+    step_bias_abs=3e-2,
+    step_flip_rel_l2=1.0,
 )
 BFLOAT16_MUON = dataclasses.replace(BFLOAT16_ADAMW, name="bfloat16-muon")
 
