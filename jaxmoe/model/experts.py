@@ -121,31 +121,102 @@ def _ragged_swiglu(x_sorted, group_sizes, weights):
     return jnp.where(valid[:, None], y, 0).astype(dt)
 
 
+def _varying_zeros(shape, dtype, *like):
+    """Zeros of ``shape``/``dtype`` whose shard_map varying axes are the union of ``like``'s.
+
+    Loop carries must type-match the body's outputs under ``shard_map(check_vma=True)``; building
+    them with ``jnp.zeros_like`` from the inputs (rather than ``jnp.zeros``) keeps them varying
+    over the same mesh axes the body's results vary over. Outside shard_map this is plain zeros.
+    """
+    z = jnp.zeros_like(like[0], shape=shape, dtype=dtype)
+    for a in like[1:]:
+        z = z + jnp.zeros_like(a, shape=(), dtype=dtype)
+    return z
+
+
+# Rows per matmul. XLA:CPU runs a [64, 512] @ [512, 512] matmul at ~0.75 of a large matmul's
+# GFLOP/s but [256, 512] @ ... at ~1x, so consecutive blocks of one expert are processed in runs
+# of several blocks (one matmul per run): greedily runs of ``_RUN_ROWS // block_size`` blocks,
+# then halving run lengths down to single blocks for what is left of each expert's group.
+# Measured on the 2-core CPU bench (bench/experts.py, block 64): 256 beat 128 and 512.
+_RUN_ROWS = 256
+
+
+def _run_schedule(block_expert, n_used, run_blocks):
+    """Split the used blocks into runs of same-expert blocks; one entry per run length.
+
+    Returns ``[(length, starts, count), ...]`` for lengths ``run_blocks, run_blocks // 2, ..., 1``:
+    ``starts`` the first block of each run of that length (first ``count`` entries valid).
+    """
+    nb = block_expert.shape[0]
+    b = jnp.arange(nb, dtype=jnp.int32)
+    used = b < n_used
+    is_first = jnp.concatenate([jnp.ones((1,), bool), block_expert[1:] != block_expert[:-1]])
+    first = jax.lax.cummax(jnp.where(is_first, b, 0), axis=0)
+    cnt = jnp.zeros_like(block_expert, shape=(nb,)).at[block_expert].add(used.astype(block_expert.dtype))
+    off = b - first  # block's index inside its expert's group
+    rem = cnt[block_expert]  # blocks of the group not yet covered by longer runs
+    done = jnp.zeros_like(rem)
+    out = []
+    length = run_blocks
+    while length >= 1:
+        full = rem // length * length
+        o = off - done
+        is_start = used & (o >= 0) & (o < full) & (o % length == 0)
+        (starts,) = jnp.nonzero(is_start, size=max(1, nb // length), fill_value=0)
+        out.append((length, starts.astype(jnp.int32), jnp.sum(is_start, dtype=jnp.int32)))
+        done = done + full
+        rem = rem - full
+        length //= 2
+    return out
+
+
+def _run_loops(xb, block_expert, n_used, body_fn, init):
+    """Call ``body_fn(row0, rows, e, carry)`` for every run (static ``rows``) of the used blocks."""
+    nb, bs = xb.shape[:2]
+    g = max(1, min(_RUN_ROWS // bs, nb))
+    carry = init
+    for length, starts, count in _run_schedule(block_expert, n_used, g):
+
+        def body(i, c, starts=starts, rows=length * bs):
+            blk = starts[i]
+            return body_fn(blk * bs, rows, block_expert[blk], c)
+
+        carry = jax.lax.fori_loop(0, count, body, carry)
+    return carry
+
+
 def _block_loop_fwd(xb, block_expert, n_used, wg, wu, wd, save_residuals):
-    """Loop over the first ``n_used`` blocks of ``xb [NB, B, D]``; returns ``yb`` (and g, u)."""
+    """SwiGLU of the first ``n_used`` blocks of ``xb [NB, B, D]``; returns ``yb`` (and g, u).
+
+    Gate and up stay two matmuls: concatenating the weights into one ``[E, D, 2I]`` operand
+    costs a full weight copy per call, which measured slower than the fused matmul saves.
+    """
     nb, b, d = xb.shape
     dt = xb.dtype
     f32 = jnp.float32
     i_dim = wg.shape[-1]
+    xf = xb.reshape(nb * b, d)
 
-    def body(blk, carry):
-        e = block_expert[blk]
-        xs = xb[blk]
+    def body(r0, rows, e, carry):
+        xs = jax.lax.dynamic_slice_in_dim(xf, r0, rows, 0)
         g = jnp.dot(xs, jax.lax.dynamic_index_in_dim(wg, e, 0, False).astype(dt), preferred_element_type=f32)
         u = jnp.dot(xs, jax.lax.dynamic_index_in_dim(wu, e, 0, False).astype(dt), preferred_element_type=f32)
         h = (jax.nn.silu(g) * u).astype(dt)
         y = jnp.dot(h, jax.lax.dynamic_index_in_dim(wd, e, 0, False).astype(dt), preferred_element_type=f32)
         out = list(carry)
-        out[0] = jax.lax.dynamic_update_index_in_dim(carry[0], y.astype(dt), blk, 0)
+        out[0] = jax.lax.dynamic_update_slice_in_dim(carry[0], y.astype(dt), r0, 0)
         if save_residuals:
-            out[1] = jax.lax.dynamic_update_index_in_dim(carry[1], g, blk, 0)
-            out[2] = jax.lax.dynamic_update_index_in_dim(carry[2], u, blk, 0)
+            out[1] = jax.lax.dynamic_update_slice_in_dim(carry[1], g, r0, 0)
+            out[2] = jax.lax.dynamic_update_slice_in_dim(carry[2], u, r0, 0)
         return tuple(out)
 
-    init = [jnp.zeros((nb, b, d), dt)]
+    init = [_varying_zeros((nb * b, d), dt, xb, wg, wu, wd, block_expert)]
     if save_residuals:
-        init += [jnp.zeros((nb, b, i_dim), f32), jnp.zeros((nb, b, i_dim), f32)]
-    return jax.lax.fori_loop(0, n_used, body, tuple(init))
+        init += [_varying_zeros((nb * b, i_dim), f32, xb, wg, block_expert),
+                 _varying_zeros((nb * b, i_dim), f32, xb, wu, block_expert)]
+    out = _run_loops(xb, block_expert, n_used, body, tuple(init))
+    return (out[0].reshape(nb, b, d),) + tuple(out[1:])
 
 
 @jax.custom_vjp
@@ -153,7 +224,7 @@ def _blocked_swiglu(xb, block_expert, n_used, wg, wu, wd):
     """SwiGLU of each block ``xb[b] [B, D]`` with expert ``block_expert[b]``'s weights.
 
     Blocks ``>= n_used`` are not computed and give zeros. Weights stay in their stored dtype
-    (fp32 master) and are cast per block to ``xb.dtype``, so weight gradients come back fp32.
+    (fp32 master) and are cast per run to ``xb.dtype``, so weight gradients come back fp32.
     """
     return _block_loop_fwd(xb, block_expert, n_used, wg, wu, wd, False)[0]
 
@@ -165,13 +236,16 @@ def _blocked_swiglu_fwd(xb, block_expert, n_used, wg, wu, wd):
 
 def _blocked_swiglu_bwd(res, dyb):
     xb, block_expert, n_used, wg, wu, wd, g_all, u_all = res
+    nb, b, d = xb.shape
     dt = xb.dtype
     f32 = jnp.float32
+    xf = xb.reshape(nb * b, d)
+    dyf = dyb.reshape(nb * b, d)
 
-    def body(blk, carry):
+    def body(r0, rows, e, carry):
         dx_all, dwg, dwu, dwd = carry
-        e = block_expert[blk]
-        xs, g, u, dy = xb[blk], g_all[blk], u_all[blk], dyb[blk].astype(dt)
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, r0, rows, 0)  # noqa: E731
+        xs, g, u, dy = sl(xf), sl(g_all), sl(u_all), sl(dyf).astype(dt)
         wg_e = jax.lax.dynamic_index_in_dim(wg, e, 0, False).astype(dt)
         wu_e = jax.lax.dynamic_index_in_dim(wu, e, 0, False).astype(dt)
         wd_e = jax.lax.dynamic_index_in_dim(wd, e, 0, False).astype(dt)
@@ -192,17 +266,18 @@ def _blocked_swiglu_bwd(res, dyb):
         dwd = acc(dwd, jnp.dot(h.T, dy, preferred_element_type=f32))
         dwg = acc(dwg, jnp.dot(xs.T, dg, preferred_element_type=f32))
         dwu = acc(dwu, jnp.dot(xs.T, du, preferred_element_type=f32))
-        dx_all = jax.lax.dynamic_update_index_in_dim(dx_all, dx.astype(dt), blk, 0)
+        dx_all = jax.lax.dynamic_update_slice_in_dim(dx_all, dx.astype(dt), r0, 0)
         return dx_all, dwg, dwu, dwd
 
     init = (
-        jnp.zeros(xb.shape, dt),
-        jnp.zeros(wg.shape, f32),
-        jnp.zeros(wu.shape, f32),
-        jnp.zeros(wd.shape, f32),
+        _varying_zeros((nb * b, d), dt, xb, wg, wu, wd, dyb, block_expert),
+        _varying_zeros(wg.shape, f32, wg, xb, dyb, block_expert),
+        _varying_zeros(wu.shape, f32, wu, xb, dyb, block_expert),
+        _varying_zeros(wd.shape, f32, wd, xb, dyb, block_expert),
     )
-    dx, dwg, dwu, dwd = jax.lax.fori_loop(0, n_used, body, init)
-    return dx, None, None, dwg.astype(wg.dtype), dwu.astype(wu.dtype), dwd.astype(wd.dtype)
+    dx, dwg, dwu, dwd = _run_loops(xb, block_expert, n_used, body, init)
+    return (dx.reshape(nb, b, d), None, None, dwg.astype(wg.dtype), dwu.astype(wu.dtype),
+            dwd.astype(wd.dtype))
 
 
 _blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
