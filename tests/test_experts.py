@@ -112,6 +112,24 @@ def test_all_tokens_to_one_expert():
     _assert_paths_agree(_run_all(idx2, jax.random.uniform(jax.random.key(6), (T, 2)), cfg2))
 
 
+
+@pytest.mark.parametrize("run_rows", [8, 12])
+def test_blocked_runs_cover_long_groups_and_every_tail(monkeypatch, run_rows):
+    """Groups longer than one run (several full runs) and remainders needing each tail length.
+
+    With ``_RUN_ROWS`` 8 or 12 and block 2, runs are 4 blocks (12 rounds down to a power of
+    two), tails 2 and 1; the skewed routing gives groups of many lengths, incl. one of 40 rows.
+    """
+    from jaxmoe.model import experts
+
+    monkeypatch.setattr(experts, "_RUN_ROWS", run_rows)
+    cfg = MoEConfig(n_experts=E, top_k=2, expert_ffn_dim=I, block_size=2)
+    logits = jax.random.normal(jax.random.key(11), (T, E)) + jnp.asarray([9.0] + [0.0] * (E - 1))
+    w, idx = jax.lax.top_k(jax.nn.softmax(logits), 2)
+    counts = np.bincount(np.asarray(idx).ravel(), minlength=E)
+    assert counts[0] == T and ((counts[1:] % 2) == 1).any() and (counts[1:] >= 9).any()
+    _assert_paths_agree(_run_all(idx.astype(jnp.int32), w, cfg))
+
 def _numpy_keep(idx, e, cap):
     """Reference drop rule: fill slots in (choice rank, token) order."""
     t, k = idx.shape

@@ -15,12 +15,18 @@ with the same signature). Three interchangeable paths, equal in output and gradi
     GPU/TPU; slow on XLA:CPU (DESIGN measured ~0.03 of a plain matmul).
 
 ``blocked``
-    Sort by expert, pad each expert's group to a multiple of ``block_size`` rows so that every
-    block of rows belongs to one expert, and loop over the used blocks doing ordinary
-    ``[block, D] @ [D, I]`` matmuls against that expert's weights (dropless). A hand-written
-    backward (``jax.custom_vjp``) runs the same loop, accumulating weight gradients per expert
-    in place; plain autodiff of a loop that dynamically slices the weights would instead build
-    a full ``[E, D, I]`` zero-padded gradient per block.
+    Dropless and fast on CPU. Each assignment gets a row in an expert-contiguous layout where
+    every expert's group is padded to a multiple of ``block_size`` rows (a cumulative count, no
+    sort). For each expert that has rows, its weights are sliced once, then its group is covered
+    by runs of up to ``_RUN_ROWS`` rows, each one ordinary matmul per projection (gate and up
+    side by side as one ``[D, 2I]`` operand). A run gathers its input rows straight from ``x``
+    and scatter-adds its weighted outputs into the ``[T, D]`` result, so no padded copy of the
+    tokens or of the outputs is ever stored; between the passes only the gate/up
+    pre-activations ``[P, 2I]`` are kept. A hand-written backward (``jax.custom_vjp``) runs the
+    same loops, gathering ``dy``, scatter-adding ``dx``, accumulating weight gradients per expert
+    in place and getting the combine-weight gradient as ``<dy @ W_down^T, h>`` (no stored
+    outputs needed); plain autodiff of a loop that dynamically slices the weights would instead
+    build a full ``[E, D, I]`` zero-padded gradient per run.
 
 The combine (weighted sum over a token's k experts) is always accumulated in fp32 and cast once to
 ``x.dtype``. An expert that receives no tokens gets exactly zero weight gradient on every path.
@@ -28,6 +34,7 @@ The combine (weighted sum over a token's k experts) is always accumulated in fp3
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -135,188 +142,233 @@ def _varying_zeros(shape, dtype, *like):
 
 
 # Rows per matmul. XLA:CPU runs a [64, 512] @ [512, 512] matmul at ~0.75 of a large matmul's
-# GFLOP/s but [256, 512] @ ... at ~1x, so consecutive blocks of one expert are processed in runs
-# of several blocks (one matmul per run): greedily runs of ``_RUN_ROWS // block_size`` blocks,
-# then halving run lengths down to single blocks for what is left of each expert's group.
-# Measured on the 2-core CPU bench (bench/experts.py, block 64): 256 beat 128 and 512.
+# GFLOP/s but [256, 512] @ ... at ~1x, so an expert's blocks are processed in runs of several
+# blocks (one matmul per run): runs of ``_RUN_ROWS // block_size`` blocks while they fit, then at
+# most one run each of half, a quarter, ... of that for what is left of the group.
+# Measured on the 2-core CPU bench (bench/experts.py): 256 beat 128 and 512.
 _RUN_ROWS = 256
 
 
-def _run_schedule(block_expert, n_used, run_blocks):
-    """Split the used blocks into runs of same-expert blocks; one entry per run length.
+def _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, carry):
+    """Loop over the experts that have rows, then over the runs of each expert's group.
 
-    Returns ``[(length, starts, count), ...]`` for lengths ``run_blocks, run_blocks // 2, ..., 1``:
-    ``starts`` the first block of each run of that length (first ``count`` entries valid).
+    ``prep(e)`` runs once per expert (slices that expert's weights: once per expert rather than
+    once per run); ``body(row0, rows, e, ctx, carry)`` runs per run, ``rows`` static.
     """
-    nb = block_expert.shape[0]
-    b = jnp.arange(nb, dtype=jnp.int32)
-    used = b < n_used
-    is_first = jnp.concatenate([jnp.ones((1,), bool), block_expert[1:] != block_expert[:-1]])
-    first = jax.lax.cummax(jnp.where(is_first, b, 0), axis=0)
-    cnt = jnp.zeros_like(block_expert, shape=(nb,)).at[block_expert].add(used.astype(block_expert.dtype))
-    off = b - first  # block's index inside its expert's group
-    rem = cnt[block_expert]  # blocks of the group not yet covered by longer runs
-    done = jnp.zeros_like(rem)
-    out = []
-    length = run_blocks
-    while length >= 1:
-        full = rem // length * length
-        o = off - done
-        is_start = used & (o >= 0) & (o < full) & (o % length == 0)
-        (starts,) = jnp.nonzero(is_start, size=max(1, nb // length), fill_value=0)
-        out.append((length, starts.astype(jnp.int32), jnp.sum(is_start, dtype=jnp.int32)))
-        done = done + full
-        rem = rem - full
-        length //= 2
-    return out
+    bs = block_size
+    g = max(1, min(_RUN_ROWS, n_rows) // bs)  # a run never exceeds the padded rows
+    g = 1 << (g.bit_length() - 1)  # a power of two: the tail runs g/2, g/4, ..., 1 cover any rest
+
+    def per_expert(e, carry):
+        n = grp_blocks[e]
+
+        def work(carry):
+            ctx = prep(e)
+            b0 = grp_start[e]
+            n_full = n // g
+            carry = jax.lax.fori_loop(
+                0, n_full, lambda i, c: body((b0 + i * g) * bs, g * bs, e, ctx, c), carry
+            )
+            done = n_full * g
+            length = g // 2
+            while length >= 1:
+                take = n - done >= length
+                carry = jax.lax.cond(
+                    take,
+                    lambda c, r0=(b0 + done) * bs, rows=length * bs: body(r0, rows, e, ctx, c),
+                    lambda c: c,
+                    carry,
+                )
+                done = done + jnp.where(take, length, 0)
+                length //= 2
+            return carry
+
+        return jax.lax.cond(n > 0, work, lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, grp_blocks.shape[0], per_expert, carry)
 
 
-def _run_loops(xb, block_expert, n_used, body_fn, init):
-    """Call ``body_fn(row0, rows, e, carry)`` for every run (static ``rows``) of the used blocks."""
-    nb, bs = xb.shape[:2]
-    g = max(1, min(_RUN_ROWS // bs, nb))
-    carry = init
-    for length, starts, count in _run_schedule(block_expert, n_used, g):
+def _blocked_layout(flat_e, n_experts, block_size, n_blocks):
+    """Place assignments into expert-contiguous, block-padded rows (no argsort).
 
-        def body(i, c, starts=starts, rows=length * bs):
-            blk = starts[i]
-            return body_fn(blk * bs, rows, block_expert[blk], c)
-
-        carry = jax.lax.fori_loop(0, count, body, carry)
-    return carry
-
-
-def _block_loop_fwd(xb, block_expert, n_used, wg, wu, wd, save_residuals):
-    """SwiGLU of the first ``n_used`` blocks of ``xb [NB, B, D]``; returns ``yb`` (and g, u).
-
-    Gate and up stay two matmuls: concatenating the weights into one ``[E, D, 2I]`` operand
-    costs a full weight copy per call, which measured slower than the fused matmul saves.
+    ``flat_e [A]``: expert of each assignment, ``n_experts`` for "no assignment". An assignment's
+    rank inside its expert's group is a cumulative count over the one-hot of expert ids (the
+    order a stable sort would give); its padded row is ``padded_start[e] + rank``. Returns
+    ``pos [A]`` (padded row, ``n_blocks * block_size`` for invalid assignments), ``a_of_p [P]``
+    (assignment of each padded row, -1 for padding) and each expert's first block and block
+    count ``[E]``.
     """
-    nb, b, d = xb.shape
-    dt = xb.dtype
+    e, bs = n_experts, block_size
+    n_rows = n_blocks * bs
+    onehot = jax.nn.one_hot(flat_e, e, dtype=jnp.int32)  # id n_experts -> all-zero row
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    gs = onehot.sum(0)
+    padded = (gs + bs - 1) // bs * bs
+    pends = jnp.cumsum(padded)
+    pstarts = pends - padded
+    valid = flat_e < e
+    pos = jnp.where(valid, pstarts[jnp.minimum(flat_e, e - 1)] + rank, n_rows).astype(jnp.int32)
+    a_of_p = jnp.full((n_rows,), -1, jnp.int32).at[pos].set(
+        jnp.arange(flat_e.shape[0], dtype=jnp.int32), mode="drop"
+    )
+    return pos, a_of_p, (pstarts // bs).astype(jnp.int32), (padded // bs).astype(jnp.int32)
+
+
+class _Run:
+    """One run of padded rows ``r0 .. r0+rows`` (all of expert ``e``): which source row each
+    padded row reads, whether it holds an assignment, and that assignment's combine weight."""
+
+    def __init__(self, a_of_p, comb_w_flat, n_src, k, r0, rows):
+        a = jax.lax.dynamic_slice_in_dim(a_of_p, r0, rows, 0)
+        self.valid = a >= 0
+        a_safe = jnp.where(self.valid, a, 0)
+        self.src = a_safe // k  # for gathers (padding rows read row 0, then are zeroed)
+        # for scatter-adds: padding rows get distinct out-of-range rows, which mode="drop" skips;
+        # valid rows of one run are distinct source rows in increasing order
+        self.dst = jnp.where(self.valid, self.src, n_src + jnp.arange(rows, dtype=a.dtype))
+        self.w = jnp.where(self.valid, comb_w_flat[a_safe], 0)
+
+    def gather(self, src):
+        return jnp.where(self.valid[:, None], src[self.src], 0)
+
+    def scatter_add(self, acc, rows):
+        return acc.at[self.dst].add(rows, mode="drop", unique_indices=True, indices_are_sorted=True)
+
+
+def _gate_up(wg, wu, e, dt):
+    """Expert ``e``'s gate and up weights side by side, ``[D, 2I]``: one matmul for both."""
+    return jnp.concatenate(
+        [jax.lax.dynamic_index_in_dim(wg, e, 0, False), jax.lax.dynamic_index_in_dim(wu, e, 0, False)],
+        axis=1,
+    ).astype(dt)
+
+
+def _block_loop_fwd(block_size, x, comb_w, a_of_p, grp_start, grp_blocks, wg, wu, wd, save_residuals):
+    """Forward over the used runs; returns ``out [S, D]`` fp32 (and ``gu [P, 2I]`` fp32)."""
+    dt = x.dtype
     f32 = jnp.float32
+    n_src, k = comb_w.shape
+    n_rows, d = a_of_p.shape[0], x.shape[1]
     i_dim = wg.shape[-1]
-    xf = xb.reshape(nb * b, d)
+    w_flat = comb_w.reshape(-1)
 
-    def body(r0, rows, e, carry):
-        xs = jax.lax.dynamic_slice_in_dim(xf, r0, rows, 0)
-        g = jnp.dot(xs, jax.lax.dynamic_index_in_dim(wg, e, 0, False).astype(dt), preferred_element_type=f32)
-        u = jnp.dot(xs, jax.lax.dynamic_index_in_dim(wu, e, 0, False).astype(dt), preferred_element_type=f32)
-        h = (jax.nn.silu(g) * u).astype(dt)
-        y = jnp.dot(h, jax.lax.dynamic_index_in_dim(wd, e, 0, False).astype(dt), preferred_element_type=f32)
-        out = list(carry)
-        out[0] = jax.lax.dynamic_update_slice_in_dim(carry[0], y.astype(dt), r0, 0)
+    def prep(e):
+        return _gate_up(wg, wu, e, dt), jax.lax.dynamic_index_in_dim(wd, e, 0, False).astype(dt)
+
+    def body(r0, rows, e, ctx, carry):
+        wgu_e, wd_e = ctx
+        run = _Run(a_of_p, w_flat, n_src, k, r0, rows)
+        gu = jnp.dot(run.gather(x), wgu_e, preferred_element_type=f32)
+        h = (jax.nn.silu(gu[:, :i_dim]) * gu[:, i_dim:]).astype(dt)
+        y = jnp.dot(h, wd_e, preferred_element_type=f32)
+        out = [run.scatter_add(carry[0], run.w[:, None] * y.astype(dt).astype(f32))]
         if save_residuals:
-            out[1] = jax.lax.dynamic_update_slice_in_dim(carry[1], g, r0, 0)
-            out[2] = jax.lax.dynamic_update_slice_in_dim(carry[2], u, r0, 0)
+            out.append(jax.lax.dynamic_update_slice_in_dim(carry[1], gu, r0, 0))
         return tuple(out)
 
-    init = [_varying_zeros((nb * b, d), dt, xb, wg, wu, wd, block_expert)]
+    init = [_varying_zeros((n_src, d), f32, x, comb_w, wg, wu, wd, a_of_p)]
     if save_residuals:
-        init += [_varying_zeros((nb * b, i_dim), f32, xb, wg, block_expert),
-                 _varying_zeros((nb * b, i_dim), f32, xb, wu, block_expert)]
-    out = _run_loops(xb, block_expert, n_used, body, tuple(init))
-    return (out[0].reshape(nb, b, d),) + tuple(out[1:])
+        init.append(_varying_zeros((n_rows, 2 * i_dim), f32, x, wg, wu, a_of_p))
+    return _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, tuple(init))
 
 
-@jax.custom_vjp
-def _blocked_swiglu(xb, block_expert, n_used, wg, wu, wd):
-    """SwiGLU of each block ``xb[b] [B, D]`` with expert ``block_expert[b]``'s weights.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked_ffn(block_size, x, comb_w, wg, wu, wd, out_idx, a_of_p, grp_start, grp_blocks):
+    """``out[s] = sum_j comb_w[s, j] * SwiGLU_{e(s, j)}(x[s])`` over block-padded rows, fp32.
 
-    Blocks ``>= n_used`` are not computed and give zeros. Weights stay in their stored dtype
-    (fp32 master) and are cast per run to ``xb.dtype``, so weight gradients come back fp32.
+    ``out_idx [S, k]`` is the padded row of source row ``s``'s ``j``-th assignment (``P`` if it
+    has none) and ``a_of_p [P]`` its inverse (``s * k + j`` per padded row, -1 for padding);
+    ``comb_w [S, k]`` fp32 is 0 for assignments that do not exist. Each run gathers its input
+    rows straight from ``x`` and scatter-adds its weighted outputs into ``out`` (the rows of one
+    run are distinct tokens, so the scatter has unique, sorted indices and XLA:CPU runs it as
+    fast as a row copy); the backward does the same with ``dy`` and ``dx``. Only the gate/up
+    pre-activations ``[P, 2I]`` are kept between the passes: no padded copy of ``x``, of the
+    outputs, of ``dy`` or of ``dx`` is ever stored.
     """
-    return _block_loop_fwd(xb, block_expert, n_used, wg, wu, wd, False)[0]
+    return _block_loop_fwd(block_size, x, comb_w, a_of_p, grp_start, grp_blocks, wg, wu, wd, False)[0]
 
 
-def _blocked_swiglu_fwd(xb, block_expert, n_used, wg, wu, wd):
-    yb, g, u = _block_loop_fwd(xb, block_expert, n_used, wg, wu, wd, True)
-    return yb, (xb, block_expert, n_used, wg, wu, wd, g, u)
+def _blocked_ffn_fwd(block_size, x, comb_w, wg, wu, wd, out_idx, a_of_p, grp_start, grp_blocks):
+    out, gu = _block_loop_fwd(block_size, x, comb_w, a_of_p, grp_start, grp_blocks, wg, wu, wd, True)
+    return out, (x, comb_w, wg, wu, wd, out_idx, a_of_p, grp_start, grp_blocks, gu)
 
 
-def _blocked_swiglu_bwd(res, dyb):
-    xb, block_expert, n_used, wg, wu, wd, g_all, u_all = res
-    nb, b, d = xb.shape
-    dt = xb.dtype
+def _blocked_ffn_bwd(block_size, res, dout):
+    x, comb_w, wg, wu, wd, out_idx, a_of_p, grp_start, grp_blocks, gu_all = res
+    n_src, k = comb_w.shape
+    dt = x.dtype
     f32 = jnp.float32
-    xf = xb.reshape(nb * b, d)
-    dyf = dyb.reshape(nb * b, d)
+    n_rows = a_of_p.shape[0]
+    i_dim = wg.shape[-1]
+    dout = dout.astype(f32)
+    w_flat = comb_w.reshape(-1)
 
-    def body(r0, rows, e, carry):
-        dx_all, dwg, dwu, dwd = carry
-        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, r0, rows, 0)  # noqa: E731
-        xs, g, u, dy = sl(xf), sl(g_all), sl(u_all), sl(dyf).astype(dt)
-        wg_e = jax.lax.dynamic_index_in_dim(wg, e, 0, False).astype(dt)
-        wu_e = jax.lax.dynamic_index_in_dim(wu, e, 0, False).astype(dt)
-        wd_e = jax.lax.dynamic_index_in_dim(wd, e, 0, False).astype(dt)
+    def prep(e):
+        return _gate_up(wg, wu, e, dt), jax.lax.dynamic_index_in_dim(wd, e, 0, False).astype(dt)
+
+    def body(r0, rows, e, ctx, carry):
+        wgu_e, wd_e = ctx
+        dx, d_w_rows, dwg, dwu, dwd = carry
+        run = _Run(a_of_p, w_flat, n_src, k, r0, rows)
+        xs = run.gather(x)
+        dy = run.gather(dout)  # unscaled: dy @ wd^T also gives the combine-weight gradient
+        gu = jax.lax.dynamic_slice_in_dim(gu_all, r0, rows, 0)
+        g, u = gu[:, :i_dim], gu[:, i_dim:]
         sg = jax.nn.sigmoid(g)
         silu = g * sg
         h = (silu * u).astype(dt)
-        dh = jnp.dot(dy, wd_e.T, preferred_element_type=f32)
-        du = (dh * silu).astype(dt)
-        dg = (dh * u * sg * (1 + g * (1 - sg))).astype(dt)
-        dx = jnp.dot(dg, wg_e.T, preferred_element_type=f32) + jnp.dot(
-            du, wu_e.T, preferred_element_type=f32
+        dh0 = jnp.dot(dy.astype(dt), wd_e.T, preferred_element_type=f32)
+        # d out / d comb_w[s, j] = <dy[s], y_row> = <dy[s] @ wd^T, h>
+        d_w_rows = jax.lax.dynamic_update_slice_in_dim(
+            d_w_rows, jnp.sum(dh0 * h.astype(f32), axis=1), r0, 0
         )
+        dh = run.w[:, None] * dh0
+        dgu = jnp.concatenate([dh * u * sg * (1 + g * (1 - sg)), dh * silu], axis=1).astype(dt)
+        dx = run.scatter_add(dx, jnp.dot(dgu, wgu_e.T, preferred_element_type=f32))
+        dwgu = jnp.dot(xs.T, dgu, preferred_element_type=f32)
 
         def acc(w_grad, upd):
             cur = jax.lax.dynamic_index_in_dim(w_grad, e, 0, False)
             return jax.lax.dynamic_update_index_in_dim(w_grad, cur + upd, e, 0)
 
-        dwd = acc(dwd, jnp.dot(h.T, dy, preferred_element_type=f32))
-        dwg = acc(dwg, jnp.dot(xs.T, dg, preferred_element_type=f32))
-        dwu = acc(dwu, jnp.dot(xs.T, du, preferred_element_type=f32))
-        dx_all = jax.lax.dynamic_update_slice_in_dim(dx_all, dx.astype(dt), r0, 0)
-        return dx_all, dwg, dwu, dwd
+        dys = (run.w[:, None] * dy).astype(dt)
+        dwd = acc(dwd, jnp.dot(h.T, dys, preferred_element_type=f32))
+        dwg = acc(dwg, dwgu[:, :i_dim])
+        dwu = acc(dwu, dwgu[:, i_dim:])
+        return dx, d_w_rows, dwg, dwu, dwd
 
     init = (
-        _varying_zeros((nb * b, d), dt, xb, wg, wu, wd, dyb, block_expert),
-        _varying_zeros(wg.shape, f32, wg, xb, dyb, block_expert),
-        _varying_zeros(wu.shape, f32, wu, xb, dyb, block_expert),
-        _varying_zeros(wd.shape, f32, wd, xb, dyb, block_expert),
+        _varying_zeros(x.shape, f32, x, wg, wu, wd, dout, a_of_p),
+        _varying_zeros((n_rows,), f32, x, wg, wu, wd, dout, a_of_p),
+        _varying_zeros(wg.shape, f32, wg, x, dout, a_of_p),
+        _varying_zeros(wu.shape, f32, wu, x, dout, a_of_p),
+        _varying_zeros(wd.shape, f32, wd, x, dout, a_of_p),
     )
-    dx, dwg, dwu, dwd = _run_loops(xb, block_expert, n_used, body, init)
-    return (dx.reshape(nb, b, d), None, None, dwg.astype(wg.dtype), dwu.astype(wu.dtype),
-            dwd.astype(wd.dtype))
+    dx, d_w_rows, dwg, dwu, dwd = _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, init)
+    ok = out_idx < n_rows
+    d_comb = jnp.where(ok, d_w_rows[jnp.minimum(out_idx, n_rows - 1)], 0)
+    return (dx.astype(x.dtype), d_comb.astype(comb_w.dtype), dwg.astype(wg.dtype),
+            dwu.astype(wu.dtype), dwd.astype(wd.dtype), None, None, None, None)
 
 
-_blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
+_blocked_ffn.defvjp(_blocked_ffn_fwd, _blocked_ffn_bwd)
 
 
 def _blocked_swiglu_rows(x_sorted, group_sizes, weights, block_size):
-    """Pad each expert's group to a multiple of ``block_size``, run the block loop, unpad."""
-    n, d = x_sorted.shape
+    """Rows already grouped by expert through the same block-padded core (one assignment per row;
+    rows past ``sum(group_sizes)`` have none and give 0)."""
+    n = x_sorted.shape[0]
     e = weights["gate_proj"].shape[0]
-    bs = block_size
-    nb = -(-n // bs) + e  # static upper bound on blocks: every group wastes < 1 block
-    gs = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(gs)
-    starts = ends - gs
-    padded = (gs + bs - 1) // bs * bs
-    pends = jnp.cumsum(padded)
-    pstarts = pends - padded
-    n_used = pends[-1] // bs
-
-    # padded position p -> (expert, source row); rows of padding read nothing (zeros)
-    p = jnp.arange(nb * bs)
-    p_exp = jnp.minimum(jnp.searchsorted(pends, p, side="right"), e - 1)
-    r = p - pstarts[p_exp]
-    p_valid = (r < gs[p_exp]) & (p < pends[-1])
-    src = jnp.where(p_valid, starts[p_exp] + r, 0)
-    xp = jnp.where(p_valid[:, None], x_sorted[src], 0).astype(x_sorted.dtype)
-    block_expert = p_exp.reshape(nb, bs)[:, 0]
-
-    yb = _blocked_swiglu(
-        xp.reshape(nb, bs, d), block_expert, n_used,
-        weights["gate_proj"], weights["up_proj"], weights["down_proj"],
-    )
-
-    # sorted row i -> its padded position; rows past sum(group_sizes) give 0
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     i = jnp.arange(n)
-    i_exp = jnp.minimum(jnp.searchsorted(ends, i, side="right"), e - 1)
-    i_valid = i < ends[-1]
-    dest = jnp.where(i_valid, pstarts[i_exp] + i - starts[i_exp], 0)
-    return jnp.where(i_valid[:, None], yb.reshape(nb * bs, d)[dest], 0).astype(x_sorted.dtype)
+    row_e = jnp.where(i < ends[-1], jnp.searchsorted(ends, i, side="right"), e)
+    nb = -(-n // block_size) + e
+    pos, a_of_p, grp_start, grp_blocks = _blocked_layout(row_e, e, block_size, nb)
+    y = _blocked_ffn(
+        block_size, x_sorted, (row_e < e).astype(jnp.float32)[:, None], weights["gate_proj"],
+        weights["up_proj"], weights["down_proj"], pos[:, None], a_of_p, grp_start, grp_blocks,
+    )
+    return y.astype(x_sorted.dtype)
 
 
 def grouped_swiglu(x_sorted, group_sizes, weights, *, path, block_size):
@@ -332,31 +384,6 @@ def grouped_swiglu(x_sorted, group_sizes, weights, *, path, block_size):
     if path == "blocked":
         return _blocked_swiglu_rows(x_sorted, group_sizes, weights, block_size)
     raise ValueError(f"grouped_swiglu: path must be 'ragged' or 'blocked', got {path!r}")
-
-
-@jax.custom_vjp
-def take_rows(src, idx, valid, inv_idx, inv_valid):
-    """``out[r] = src[idx[r]] if valid[r] else 0`` with a gather (not scatter-add) backward.
-
-    ``inv_idx [R_src, m]`` / ``inv_valid`` list, for each source row, the output rows that read it,
-    so the gradient ``d_src[s] = sum_m d_out[inv_idx[s, m]]`` is again a gather. XLA:CPU runs the
-    scatter-add that plain autodiff of a gather produces far slower than a gather; the token
-    permutations of the blocked path are exactly invertible, so we supply the inverse.
-    """
-    return jnp.where(valid[:, None], src[idx], 0).astype(src.dtype)
-
-
-def _take_rows_fwd(src, idx, valid, inv_idx, inv_valid):
-    return take_rows(src, idx, valid, inv_idx, inv_valid), (idx, valid, inv_idx, inv_valid)
-
-
-def _take_rows_bwd(res, d_out):
-    idx, valid, inv_idx, inv_valid = res
-    g = jnp.where(inv_valid[..., None], d_out[inv_idx].astype(jnp.float32), 0).sum(1)
-    return g.astype(d_out.dtype), None, None, None, None
-
-
-take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def _sorted_path(x, topk_idx, topk_weights, weights, moe_cfg, path):
@@ -375,49 +402,25 @@ def _sorted_path(x, topk_idx, topk_weights, weights, moe_cfg, path):
 
 
 def _blocked_path(x, topk_idx, topk_weights, weights, moe_cfg):
-    """blocked: place each assignment straight into its expert's block-padded rows (no argsort).
-
-    An assignment's rank inside its expert's group is a cumulative count over the one-hot of
-    expert ids in token-major order (the order a stable sort would give); its padded row is
-    ``padded_start[e] + rank``. Moving rows in and out uses :func:`take_rows` (gather both ways).
-    """
-    t, d = x.shape
-    k = topk_idx.shape[1]
-    e = moe_cfg.n_experts
+    """blocked: assignments placed straight into expert-contiguous block-padded rows (no sort)."""
+    t, k = topk_idx.shape
     bs = moe_cfg.block_size
-    n = t * k
-    nb = -(-n // bs) + e  # static upper bound on blocks: every group wastes < 1 block
-    flat_e = topk_idx.reshape(-1)
-    onehot = jax.nn.one_hot(flat_e, e, dtype=jnp.int32)
-    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # [n]
-    gs = onehot.sum(0)
-    padded = (gs + bs - 1) // bs * bs
-    pends = jnp.cumsum(padded)
-    pstarts = pends - padded
-    n_used = pends[-1] // bs
-    pos = pstarts[flat_e] + rank  # [n] padded row of each assignment
-    a_of_p = jnp.full((nb * bs,), -1, jnp.int32).at[pos].set(jnp.arange(n, dtype=jnp.int32))
-    p_valid = a_of_p >= 0
-    a_safe = jnp.where(p_valid, a_of_p, 0)
-    block_expert = jnp.minimum(
-        jnp.searchsorted(pends, jnp.arange(nb) * bs, side="right"), e - 1
-    ).astype(jnp.int32)
-
-    xp = take_rows(x, a_safe // k, p_valid, pos.reshape(t, k), jnp.ones((t, k), bool))
-    yb = _blocked_swiglu(
-        xp.reshape(nb, bs, d), block_expert, n_used,
-        weights["gate_proj"], weights["up_proj"], weights["down_proj"],
+    nb = -(-(t * k) // bs) + moe_cfg.n_experts  # static bound: every group wastes < 1 block
+    pos, a_of_p, grp_start, grp_blocks = _blocked_layout(
+        topk_idx.reshape(-1), moe_cfg.n_experts, bs, nb
     )
-    y_assign = take_rows(
-        yb.reshape(nb * bs, d), pos, jnp.ones((n,), bool), a_safe[:, None], p_valid[:, None]
+    y = _blocked_ffn(
+        bs, x, topk_weights.astype(jnp.float32), weights["gate_proj"], weights["up_proj"],
+        weights["down_proj"], pos.reshape(t, k), a_of_p, grp_start, grp_blocks,
     )
-    return _combine(y_assign.reshape(t, k, d), topk_weights, x.dtype)
+    return y.astype(x.dtype)
 
 
 def expert_ffn(x, topk_idx, topk_weights, weights, moe_cfg: MoEConfig, *, path=None):
     """Routed-expert FFN for tokens ``x [T, D]`` (compute dtype).
 
-    ``topk_idx [T, k]`` int, ``topk_weights [T, k]`` fp32, ``weights`` stacked per expert
+    ``topk_idx [T, k]`` int (a token's k experts are distinct, as top-k selection gives them; the
+    blocked path relies on it), ``topk_weights [T, k]`` fp32, ``weights`` stacked per expert
     (``gate_proj``/``up_proj [E, D, I]``, ``down_proj [E, I, D]``). ``path`` defaults to
     ``moe_cfg.compute_path``. Returns ``y [T, D]`` in ``x.dtype`` and
     ``stats = {"counts": [E] int32 (before dropping), "dropped": int32 scalar}``.
