@@ -1,0 +1,59 @@
+"""jaxmoe.host_alloc: the glibc setting is applied once, can be opted out of, and is harmless."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_PROBE = textwrap.dedent(
+    """
+    import ctypes, ctypes.util
+    from jaxmoe import host_alloc
+    first = host_alloc.keep_freed_memory()
+    second = host_alloc.keep_freed_memory()
+    # With M_MMAP_MAX=0 a 64 MiB block must come from the heap (brk), so the heap's size,
+    # as reported by mallinfo2's arena field, grows by nearly that much (free space already at
+    # the heap's top is reused first).
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    class MI2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")]
+    libc.mallinfo2.restype = MI2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    before = libc.mallinfo2()
+    p = libc.malloc(64 << 20)
+    during = libc.mallinfo2()
+    libc.free(p)
+    after = libc.mallinfo2()
+    print(first, second, during.hblks - before.hblks, during.arena - before.arena >= (48 << 20),
+          after.arena >= during.arena)
+    """
+)
+
+
+def _probe(env_extra):
+    env = {**os.environ, **env_extra}
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc setting")
+def test_keep_freed_memory_serves_big_blocks_from_the_heap_and_keeps_them():
+    first, second, new_mmaps, heap_grew, kept = _probe({"JAXMOE_SYSTEM_MALLOC": ""})
+    assert (first, second) == ("True", "True")  # applied, and idempotent
+    assert new_mmaps == "0" and heap_grew == "True" and kept == "True"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc setting")
+def test_opt_out_leaves_the_system_allocator_alone():
+    first, second, new_mmaps, heap_grew, kept = _probe({"JAXMOE_SYSTEM_MALLOC": "1"})
+    assert (first, second) == ("False", "False")
+    # glibc's default serves a 64 MiB block with its own mmap
+    assert new_mmaps == "1" and heap_grew == "False"
