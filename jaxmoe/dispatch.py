@@ -65,15 +65,17 @@ TEST_KINDS = ("ragged_all_to_all_emulated",)  # CPU stand-in for the ragged coll
 TOKEN_AXES = ("replica", "fsdp", "expert")
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
-# Workaround (jax >= 0.7 shard_map typing): with check_vma=True every loop carry inside the body
-# must carry the same "varying manual axes" type as the values written into it. The blocked
-# expert path (jaxmoe/model/experts.py) starts its fori_loop carries from jnp.zeros(...), which
-# are typed invariant, while the rows/weights it writes vary over the mesh axes, so tracing fails
-# ("while_loop body function carry input and carry output must have equal types"). We therefore
-# run the body with check_vma=False; the collectives' transposes are then JAX's unchecked ones,
-# and tests/test_dispatch.py + tests/test_sharding.py verify every gradient (including the psum
-# over replicated axes and over `tensor`) against the single-device run. Switch to True once the
-# carries are built with zeros_like/pvary from the loop inputs.
+# Workaround (jax >= 0.7 shard_map typing): check_vma=True types every value by the manual mesh
+# axes it varies over. The blocked expert path's loop carries are now built with that type
+# (experts._varying_zeros), but its custom VJP (experts._blocked_ffn) still returns cotangents
+# typed like the values they were computed from, not like the primal inputs: dx for tokens that
+# are invariant over `tensor` comes back varying over `tensor` (measured: "Custom VJP bwd rule
+# must produce an output with the same type as the args tuple", tests/test_dispatch.py, jax
+# 0.10.2). Making that rule psum each cotangent over the axes its primal is invariant over would
+# also move the reductions this module's callers do by hand, so the body runs with
+# check_vma=False; the collectives' transposes are then JAX's unchecked ones, and
+# tests/test_dispatch.py + tests/test_sharding.py verify every gradient (including the psum over
+# replicated axes and over `tensor`) against the single-device run.
 CHECK_VMA = False
 
 
