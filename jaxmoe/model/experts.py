@@ -53,14 +53,20 @@ def capacity(moe_cfg: MoEConfig, n_tokens: int) -> int:
     return max(1, math.ceil(c.capacity_factor * n_tokens * c.top_k / c.n_experts))
 
 
+def _rank_in_group(ids: jax.Array, n_experts: int):
+    """For ``ids [A]``: each entry's rank among the earlier entries with the same id (the order
+    a stable sort would give) and the count per id ``[E]``; id ``n_experts`` counts nowhere."""
+    onehot = jax.nn.one_hot(ids, n_experts, dtype=jnp.int32)  # id n_experts -> all-zero row
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    return rank, onehot.sum(0)
+
+
 def slot_positions(topk_idx: jax.Array, n_experts: int) -> jax.Array:
     """Position ``[T, k]`` of each assignment in its expert's queue, in (choice rank, token) order:
     every token's first choice before any second choice; within a rank, earlier tokens first."""
     t, k = topk_idx.shape
     rank_major = topk_idx.T.reshape(-1)  # [k*T]: rank 0 of all tokens, then rank 1, ...
-    onehot = jax.nn.one_hot(rank_major, n_experts, dtype=jnp.int32)
-    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
-    return pos.reshape(k, t).T
+    return _rank_in_group(rank_major, n_experts)[0].reshape(k, t).T
 
 
 def expert_counts(topk_idx: jax.Array, n_experts: int) -> jax.Array:
@@ -145,7 +151,8 @@ def _varying_zeros(shape, dtype, *like):
 # GFLOP/s but [256, 512] @ ... at ~1x, so an expert's blocks are processed in runs of several
 # blocks (one matmul per run): runs of ``_RUN_ROWS // block_size`` blocks while they fit, then at
 # most one run each of half, a quarter, ... of that for what is left of the group.
-# Measured on the 2-core CPU bench (bench/experts.py): 256 beat 128 and 512.
+# Measured on the 2-core CPU bench (bench/experts.py): 256 beat 128 and 512 with the first version
+# of this loop; with the current one the three are within noise (interleaved A/B, 2026-12-03).
 _RUN_ROWS = 256
 
 
@@ -188,21 +195,19 @@ def _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, carry):
     return jax.lax.fori_loop(0, grp_blocks.shape[0], per_expert, carry)
 
 
-def _blocked_layout(flat_e, n_experts, block_size, n_blocks):
+def _blocked_layout(flat_e, n_experts, block_size):
     """Place assignments into expert-contiguous, block-padded rows (no argsort).
 
     ``flat_e [A]``: expert of each assignment, ``n_experts`` for "no assignment". An assignment's
-    rank inside its expert's group is a cumulative count over the one-hot of expert ids (the
-    order a stable sort would give); its padded row is ``padded_start[e] + rank``. Returns
-    ``pos [A]`` (padded row, ``n_blocks * block_size`` for invalid assignments), ``a_of_p [P]``
-    (assignment of each padded row, -1 for padding) and each expert's first block and block
-    count ``[E]``.
+    padded row is ``padded_start[e] + rank`` (its rank inside its expert's group). The padded
+    rows number ``P = (ceil(A / block_size) + n_experts) * block_size``, a static bound (every
+    group wastes < 1 block). Returns ``pos [A]`` (padded row, ``P`` for invalid assignments),
+    ``a_of_p [P]`` (assignment of each padded row, -1 for padding) and each expert's first block
+    and block count ``[E]``.
     """
     e, bs = n_experts, block_size
-    n_rows = n_blocks * bs
-    onehot = jax.nn.one_hot(flat_e, e, dtype=jnp.int32)  # id n_experts -> all-zero row
-    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
-    gs = onehot.sum(0)
+    n_rows = (-(-flat_e.shape[0] // bs) + e) * bs
+    rank, gs = _rank_in_group(flat_e, e)
     padded = (gs + bs - 1) // bs * bs
     pends = jnp.cumsum(padded)
     pstarts = pends - padded
@@ -235,12 +240,11 @@ class _Run:
         return acc.at[self.dst].add(rows, mode="drop", unique_indices=True, indices_are_sorted=True)
 
 
-def _gate_up(wg, wu, e, dt):
-    """Expert ``e``'s gate and up weights side by side, ``[D, 2I]``: one matmul for both."""
-    return jnp.concatenate(
-        [jax.lax.dynamic_index_in_dim(wg, e, 0, False), jax.lax.dynamic_index_in_dim(wu, e, 0, False)],
-        axis=1,
-    ).astype(dt)
+def _expert_weights(wg, wu, wd, e, dt):
+    """Expert ``e``'s weights in ``dt``: gate and up side by side ``[D, 2I]`` (one matmul for
+    both) and down ``[I, D]``. The ``prep`` of both passes' loops."""
+    at = functools.partial(jax.lax.dynamic_index_in_dim, index=e, axis=0, keepdims=False)
+    return jnp.concatenate([at(wg), at(wu)], axis=1).astype(dt), at(wd).astype(dt)
 
 
 def _block_loop_fwd(block_size, x, comb_w, a_of_p, grp_start, grp_blocks, wg, wu, wd, save_residuals):
@@ -252,8 +256,7 @@ def _block_loop_fwd(block_size, x, comb_w, a_of_p, grp_start, grp_blocks, wg, wu
     i_dim = wg.shape[-1]
     w_flat = comb_w.reshape(-1)
 
-    def prep(e):
-        return _gate_up(wg, wu, e, dt), jax.lax.dynamic_index_in_dim(wd, e, 0, False).astype(dt)
+    prep = functools.partial(_expert_weights, wg, wu, wd, dt=dt)
 
     def body(r0, rows, e, ctx, carry):
         wgu_e, wd_e = ctx
@@ -303,8 +306,7 @@ def _blocked_ffn_bwd(block_size, res, dout):
     dout = dout.astype(f32)
     w_flat = comb_w.reshape(-1)
 
-    def prep(e):
-        return _gate_up(wg, wu, e, dt), jax.lax.dynamic_index_in_dim(wd, e, 0, False).astype(dt)
+    prep = functools.partial(_expert_weights, wg, wu, wd, dt=dt)
 
     def body(r0, rows, e, ctx, carry):
         wgu_e, wd_e = ctx
@@ -362,8 +364,7 @@ def _blocked_swiglu_rows(x_sorted, group_sizes, weights, block_size):
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     i = jnp.arange(n)
     row_e = jnp.where(i < ends[-1], jnp.searchsorted(ends, i, side="right"), e)
-    nb = -(-n // block_size) + e
-    pos, a_of_p, grp_start, grp_blocks = _blocked_layout(row_e, e, block_size, nb)
+    pos, a_of_p, grp_start, grp_blocks = _blocked_layout(row_e, e, block_size)
     y = _blocked_ffn(
         block_size, x_sorted, (row_e < e).astype(jnp.float32)[:, None], weights["gate_proj"],
         weights["up_proj"], weights["down_proj"], pos[:, None], a_of_p, grp_start, grp_blocks,
@@ -405,10 +406,7 @@ def _blocked_path(x, topk_idx, topk_weights, weights, moe_cfg):
     """blocked: assignments placed straight into expert-contiguous block-padded rows (no sort)."""
     t, k = topk_idx.shape
     bs = moe_cfg.block_size
-    nb = -(-(t * k) // bs) + moe_cfg.n_experts  # static bound: every group wastes < 1 block
-    pos, a_of_p, grp_start, grp_blocks = _blocked_layout(
-        topk_idx.reshape(-1), moe_cfg.n_experts, bs, nb
-    )
+    pos, a_of_p, grp_start, grp_blocks = _blocked_layout(topk_idx.reshape(-1), moe_cfg.n_experts, bs)
     y = _blocked_ffn(
         bs, x, topk_weights.astype(jnp.float32), weights["gate_proj"], weights["up_proj"],
         weights["down_proj"], pos.reshape(t, k), a_of_p, grp_start, grp_blocks,
