@@ -112,7 +112,6 @@ def test_all_tokens_to_one_expert():
     _assert_paths_agree(_run_all(idx2, jax.random.uniform(jax.random.key(6), (T, 2)), cfg2))
 
 
-
 @pytest.mark.parametrize("run_rows", [8, 12])
 def test_blocked_runs_cover_long_groups_and_every_tail(monkeypatch, run_rows):
     """Groups longer than one run (several full runs) and remainders needing each tail length.
@@ -129,6 +128,7 @@ def test_blocked_runs_cover_long_groups_and_every_tail(monkeypatch, run_rows):
     counts = np.bincount(np.asarray(idx).ravel(), minlength=E)
     assert counts[0] == T and ((counts[1:] % 2) == 1).any() and (counts[1:] >= 9).any()
     _assert_paths_agree(_run_all(idx.astype(jnp.int32), w, cfg))
+
 
 def _numpy_keep(idx, e, cap):
     """Reference drop rule: fill slots in (choice rank, token) order."""
