@@ -159,7 +159,7 @@ def analytic(cfg, ctx, params) -> dict:
         elif ctx.dispatcher == "allgather":
             per_layer = 4 * x * t_local * d * 4
     dispatch = per_layer * m.n_moe_layers * cfg.train.micro_batches
-    specs = param_specs(params, sizes)
+    specs = param_specs(params, ctx.axes, sizes)
     gather = rs = ar = 0
     for (kp, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
                                 jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
@@ -182,7 +182,7 @@ def run_layout(preset, spec, kind, chunks, batch, seq, steps):
     import jax
 
     from jaxmoe.config import load_config
-    from jaxmoe.model.transformer import init_params
+    from jaxmoe.model.transformer import declared_groups, init_params
     from jaxmoe.optim import build_optimizer
     from jaxmoe.sharding import build_context, parse_mesh
     from jaxmoe.train import init_state, make_train_step
@@ -191,7 +191,7 @@ def run_layout(preset, spec, kind, chunks, batch, seq, steps):
     cfg = cfg.replace(mesh=dataclasses.replace(cfg.mesh, dispatcher=kind, dispatch_chunks=chunks))
     cfg, ctx = build_context(cfg, parse_mesh(spec))
     params, buffers = init_params(cfg, 0)
-    tx = build_optimizer(cfg.train, params)
+    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
     state = ctx.place_state(init_state(cfg, tx, params, buffers))
     rng = np.random.default_rng(0)
     v = cfg.model.vocab_size

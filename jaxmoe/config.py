@@ -18,17 +18,20 @@ impossible combinations with a one-line :class:`ConfigError` naming the key, bef
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import tomllib
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from jaxmoe.archs import ARCH_NAMES, get_arch
+from jaxmoe.counting import COUNT_METHOD, count_params, flops_per_token, human  # noqa: F401 (API)
+from jaxmoe.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
-
-
-class ConfigError(ValueError):
-    """A bad configuration: the message is one line and names the offending key."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -41,13 +44,13 @@ class ModelConfig:
     name: str = "custom"
     # Which HuggingFace architecture this model corresponds to (weight interchange naming):
     # "qwen3_moe" (GQA + softmax), "mixtral", "deepseek_v3" (MLA + sigmoid; also Kimi-K2).
-    hf_arch: str = "qwen3_moe"
+    hf_arch: str = field(default="qwen3_moe", metadata={"choices": ARCH_NAMES})
     vocab_size: int = 256
     d_model: int = 64
     n_layers: int = 2
     first_k_dense: int = 0  # the first k layers use a dense SwiGLU FFN instead of MoE
     dense_ffn_dim: int = 128  # intermediate size of the dense FFN layers
-    attention: str = "gqa"  # "gqa" | "mla"
+    attention: Literal["gqa", "mla"] = "gqa"
     n_heads: int = 4
     # GQA
     n_kv_heads: int = 2
@@ -62,8 +65,8 @@ class ModelConfig:
     # norms / positions
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_layout: str = "half"  # "half" (half-split, HF Llama/Qwen/Mixtral) | "interleaved" (pairs)
-    rope_scaling: str = "none"  # "none" | "yarn"
+    rope_layout: Literal["half", "interleaved"] = "half"  # half-split (HF Llama/Qwen/Mixtral) | pairs
+    rope_scaling: Literal["none", "yarn"] = "none"
     yarn_factor: float = 1.0
     yarn_original_max_pos: int = 4096
     yarn_beta_fast: float = 32.0
@@ -97,7 +100,7 @@ class MoEConfig:
     expert_ffn_dim: int = 64  # intermediate size of one routed expert (SwiGLU)
     n_shared_experts: int = 0  # shared experts, fused into one SwiGLU of width n_shared * expert_ffn_dim
     # Routing semantics (router runs in fp32 always)
-    score_func: str = "softmax"  # "softmax" | "sigmoid"
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
     # softmax: Mixtral/Qwen3 semantics = softmax over all experts, then top-k, then optional
     # renormalisation. sigmoid: DeepSeek-V3 semantics.
     norm_topk_prob: bool = True  # renormalise the k selected weights to sum to 1
@@ -111,7 +114,8 @@ class MoEConfig:
     seq_aux_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss
     router_z_coef: float = 0.0  # router z-loss: mean(logsumexp(router_logits)^2)
     # Expert compute path
-    compute_path: str = "blocked"  # "dense" | "ragged" | "blocked"
+    # implementations: jaxmoe.model.experts.PATHS (which also says which run under a mesh)
+    compute_path: Literal["dense", "ragged", "blocked"] = "blocked"
     capacity_factor: float = 0.0  # dense path: 0 = dropless (capacity = worst case)
     block_size: int = 16  # blocked path: each expert's token group is padded to a multiple of this
     router_init_std: float = 0.02
@@ -123,11 +127,11 @@ class MeshConfig:
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
-    # expert-parallel dispatcher: "auto" | "all_to_all" | "ragged_all_to_all" | "allgather"
-    dispatcher: str = "auto"
+    # expert-parallel dispatcher (implementations: jaxmoe.dispatch.DISPATCHERS); auto picks per backend
+    dispatcher: Literal["auto", "all_to_all", "ragged_all_to_all", "allgather"] = "auto"
     a2a_capacity_factor: float = 0.0  # 0 = worst case (dropless)
     dispatch_chunks: int = 1  # split tokens into chunks so all-to-all overlaps compute
-    xla_flags_profile: str = "none"  # "none" | "gpu_overlap"
+    xla_flags_profile: Literal["none", "gpu_overlap"] = "none"
 
 
 @dataclass
@@ -137,12 +141,12 @@ class TrainConfig:
     batch_size: int = 8  # sequences per step (global)
     seq_len: int = 64
     micro_batches: int = 1  # gradient accumulation: batch_size split into this many micro-batches
-    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16" (master params always fp32)
-    optimizer: str = "adamw"  # "adamw" | "muon"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (master params always fp32)
+    optimizer: Literal["adamw", "muon"] = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
-    schedule: str = "cosine"  # "cosine" | "linear" | "wsd" | "constant"
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     wsd_decay_frac: float = 0.2
     beta1: float = 0.9
     beta2: float = 0.95
@@ -158,11 +162,11 @@ class TrainConfig:
     muon_ns_steps: int = 5
     muon_ns_coefficients: list = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
     muon_eps: float = 1e-7
-    muon_adjust_lr: str = "original"  # "original" | "match_rms_adamw" | "none"
+    muon_adjust_lr: Literal["original", "match_rms_adamw", "none"] = "original"
     muon_weight_decay: float = 0.1
-    muon_ns_dtype: str = "bfloat16"  # "bfloat16" (as torch.optim.Muon) | "float32"
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # bfloat16 as torch.optim.Muon
     z_loss_coef: float = 0.0  # output-logit z-loss
-    remat: str = "none"  # "none" | "full" | "save_dots" | "offload"
+    remat: Literal["none", "full", "save_dots", "offload"] = "none"
     # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer)
     data: str = "default"
     tokenizer: str = ""  # path to a HuggingFace tokenizers tokenizer.json for text data
@@ -199,29 +203,32 @@ class Config:
 # Building configs: dicts, TOML, presets, --set overrides
 # --------------------------------------------------------------------------------------------
 
-_CHOICES = {
-    ("model", "hf_arch"): ("qwen3_moe", "mixtral", "deepseek_v3"),
-    ("model", "attention"): ("gqa", "mla"),
-    ("model", "rope_layout"): ("half", "interleaved"),
-    ("model", "rope_scaling"): ("none", "yarn"),
-    ("moe", "score_func"): ("softmax", "sigmoid"),
-    ("moe", "compute_path"): ("dense", "ragged", "blocked"),
-    ("mesh", "dispatcher"): ("auto", "all_to_all", "ragged_all_to_all", "allgather"),
-    ("mesh", "xla_flags_profile"): ("none", "gpu_overlap"),
-    ("train", "dtype"): ("float32", "bfloat16"),
-    ("train", "optimizer"): ("adamw", "muon"),
-    ("train", "schedule"): ("cosine", "linear", "wsd", "constant"),
-    ("train", "muon_adjust_lr"): ("original", "match_rms_adamw", "none"),
-    ("train", "muon_ns_dtype"): ("bfloat16", "float32"),
-    ("train", "remat"): ("none", "full", "save_dots", "offload"),
-}
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def choices(cls, name: str) -> tuple | None:
+    """The allowed values of field ``name`` of section class ``cls``: the arguments of its
+    ``Literal[...]`` type, or ``metadata["choices"]`` (e.g. ``model.hf_arch`` from the
+    architecture registry); None for a free field. The one declaration validation reads."""
+    f = {f.name: f for f in fields(cls)}[name]
+    if "choices" in f.metadata:
+        return tuple(f.metadata["choices"])
+    hint = _hints(cls)[name]
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    return None
 
 
 def _field_type(cls, name: str) -> type:
-    default = {f.name: f for f in fields(cls)}[name]
-    if default.default is not dataclasses.MISSING:
-        return type(default.default)
-    return type(default.default_factory())  # type: ignore[misc]
+    hint = _hints(cls)[name]
+    if typing.get_origin(hint) is Literal:
+        return type(typing.get_args(hint)[0])
+    f = {f.name: f for f in fields(cls)}[name]
+    if f.default is not dataclasses.MISSING:
+        return type(f.default)
+    return type(f.default_factory())  # type: ignore[misc]
 
 
 def _coerce(section: str, key: str, value: Any, typ: type) -> Any:
@@ -399,10 +406,15 @@ def _positive(cfg: Config, section: str, *keys: str, allow_zero: bool = False) -
 
 def validate(cfg: Config) -> Config:
     m, e, mesh, t = cfg.model, cfg.moe, cfg.mesh, cfg.train
-    for (section, key), choices in _CHOICES.items():
-        v = getattr(getattr(cfg, section), key)
-        if v not in choices:
-            raise ConfigError(f"{section}.{key}={v!r} is not one of: {', '.join(choices)}")
+    for section, cls in SECTIONS.items():
+        obj = getattr(cfg, section)
+        for f in fields(cls):
+            v = getattr(obj, f.name)
+            allowed = choices(cls, f.name)
+            if allowed is not None and v not in allowed:
+                raise ConfigError(f"{section}.{f.name}={v!r} is not one of: {', '.join(allowed)}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{section}.{f.name}={v!r} must be a finite number")
     _positive(cfg, "model", "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
     _positive(cfg, "model", "first_k_dense", allow_zero=True)
     _positive(cfg, "moe", "n_experts", "top_k", "expert_ffn_dim", "n_groups", "topk_groups")
@@ -429,15 +441,9 @@ def validate(cfg: Config) -> Config:
         _positive(cfg, "model", "q_lora_rank", allow_zero=True)
         if m.qk_rope_head_dim % 2:
             raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
-    if m.hf_arch == "deepseek_v3" and m.attention != "mla":
-        raise ConfigError("model.hf_arch='deepseek_v3' requires model.attention='mla'")
-    if m.hf_arch in ("qwen3_moe", "mixtral") and m.attention != "gqa":
-        raise ConfigError(f"model.hf_arch={m.hf_arch!r} requires model.attention='gqa'")
-    if m.hf_arch == "mixtral" and (m.qk_norm or e.n_shared_experts or m.first_k_dense):
-        raise ConfigError(
-            "model.hf_arch='mixtral' has no qk_norm, shared experts or dense layers; "
-            "use hf_arch='qwen3_moe' or 'deepseek_v3' for those"
-        )
+    arch = get_arch(m.hf_arch)  # the weight-naming architecture fixes the attention kind;
+    if m.attention != arch.attention:  # the rest of arch.problems() matters only for HF export
+        raise ConfigError(f"model.hf_arch={m.hf_arch!r} requires model.attention={arch.attention!r}")
     if m.rope_scaling == "yarn" and m.yarn_factor < 1.0:
         raise ConfigError(f"model.yarn_factor={m.yarn_factor} must be >= 1 for YaRN")
     if e.top_k > e.n_experts:
@@ -481,117 +487,14 @@ def validate(cfg: Config) -> Config:
         )
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if len(t.muon_ns_coefficients) != 3:
-        raise ConfigError("train.muon_ns_coefficients must be a list of 3 numbers (a, b, c)")
+    coeffs = t.muon_ns_coefficients
+    if len(coeffs) != 3 or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in coeffs
+    ):
+        raise ConfigError(f"train.muon_ns_coefficients={coeffs!r} must be a list of 3 finite numbers (a, b, c)")
     if t.lr < 0 or t.muon_lr < 0:
         raise ConfigError("train.lr and train.muon_lr must be >= 0")
     return cfg
-
-
-# --------------------------------------------------------------------------------------------
-# Analytic parameter counts
-# --------------------------------------------------------------------------------------------
-
-COUNT_METHOD = (
-    "Counted analytically from the config: every trained weight (embedding, attention, norms, "
-    "dense FFNs, router weights, routed and shared experts, final norm, and the LM head when "
-    "untied). Expert-bias buffers (not trained) and multi-token-prediction layers are excluded. "
-    "Active per token = total minus the routed experts a token does not visit "
-    "((n_experts - top_k) per MoE layer); embeddings and head are counted in both."
-)
-
-
-def count_params(cfg: Config) -> dict:
-    """Analytic counts of total and per-token-active parameters, with a breakdown."""
-    m, e = cfg.model, cfg.moe
-    d = m.d_model
-    if m.attention == "gqa":
-        attn = d * m.n_heads * m.head_dim + 2 * d * m.n_kv_heads * m.head_dim
-        attn += m.n_heads * m.head_dim * d
-        if m.qk_norm:
-            attn += 2 * m.head_dim
-    else:
-        qh = m.qk_nope_head_dim + m.qk_rope_head_dim
-        if m.q_lora_rank > 0:
-            attn = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.n_heads * qh
-        else:
-            attn = d * m.n_heads * qh
-        attn += d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-        attn += m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        attn += m.n_heads * m.v_head_dim * d
-    norms = 2 * d
-    dense_ffn = 3 * d * m.dense_ffn_dim
-    expert = 3 * d * e.expert_ffn_dim
-    shared = e.n_shared_experts * expert
-    router = d * e.n_experts
-    dense_layer = attn + norms + dense_ffn
-    moe_layer_total = attn + norms + router + e.n_experts * expert + shared
-    moe_layer_active = attn + norms + router + e.top_k * expert + shared
-    embed = m.vocab_size * d
-    head = 0 if m.tie_embeddings else m.vocab_size * d
-    final_norm = d
-    base = embed + head + final_norm + m.first_k_dense * dense_layer
-    total = base + m.n_moe_layers * moe_layer_total
-    active = base + m.n_moe_layers * moe_layer_active
-    return {
-        "name": m.name,
-        "total_params": int(total),
-        "active_params": int(active),
-        "breakdown": {
-            "embedding": embed,
-            "lm_head": head,
-            "attention_per_layer": attn,
-            "dense_ffn_per_layer": dense_ffn,
-            "router_per_moe_layer": router,
-            "expert_params_each": expert,
-            "shared_expert_params_per_moe_layer": shared,
-            "routed_expert_params_total": m.n_moe_layers * e.n_experts * expert,
-        },
-        "dims": {
-            "vocab_size": m.vocab_size,
-            "d_model": d,
-            "n_layers": m.n_layers,
-            "first_k_dense": m.first_k_dense,
-            "n_moe_layers": m.n_moe_layers,
-            "attention": m.attention,
-            "n_heads": m.n_heads,
-            "n_kv_heads": m.n_kv_heads if m.attention == "gqa" else None,
-            "head_dim": m.head_dim if m.attention == "gqa" else None,
-            "q_lora_rank": m.q_lora_rank if m.attention == "mla" else None,
-            "kv_lora_rank": m.kv_lora_rank if m.attention == "mla" else None,
-            "qk_nope_head_dim": m.qk_nope_head_dim if m.attention == "mla" else None,
-            "qk_rope_head_dim": m.qk_rope_head_dim if m.attention == "mla" else None,
-            "v_head_dim": m.v_head_dim if m.attention == "mla" else None,
-            "dense_ffn_dim": m.dense_ffn_dim,
-            "n_experts": e.n_experts,
-            "top_k": e.top_k,
-            "expert_ffn_dim": e.expert_ffn_dim,
-            "n_shared_experts": e.n_shared_experts,
-            "tie_embeddings": m.tie_embeddings,
-        },
-        "method": COUNT_METHOD,
-    }
-
-
-def human(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
-
-
-def flops_per_token(cfg: Config, seq_len: int | None = None) -> float:
-    """Approximate training FLOPs per token (6 * active matmul params + attention scores)."""
-    c = count_params(cfg)
-    m = cfg.model
-    s = seq_len or cfg.train.seq_len
-    active_matmul = c["active_params"] - c["breakdown"]["embedding"]
-    if m.tie_embeddings:
-        active_matmul += c["breakdown"]["embedding"]
-    qk = m.q_head_dim
-    v = m.v_head_dim if m.attention == "mla" else m.head_dim
-    attn = 2 * m.n_layers * m.n_heads * s * (qk + v)  # causal ~ half of full, fwd+bwd*3
-    return 6.0 * active_matmul + 3.0 * attn
 
 
 __all__ = [
@@ -602,6 +505,7 @@ __all__ = [
     "MoEConfig",
     "TrainConfig",
     "config_from_dict",
+    "choices",
     "config_to_toml",
     "count_params",
     "flops_per_token",

@@ -39,8 +39,10 @@ compute (with ``xla_flags_profile = "gpu_overlap"`` on GPU). Dropless results ar
 unchunked ones; with a capacity factor the capacity applies per chunk.
 
 Local compute on the received rows uses ``jaxmoe.model.experts.grouped_swiglu`` (rows sorted by
-local expert; ``moe.compute_path`` ``ragged`` -> ``ragged_dot``, otherwise ``blocked``), so the work
-is proportional to the rows actually received, not to the capacity buffer.
+local expert) with ``moe.compute_path``'s grouped form (``ragged`` -> ``ragged_dot``, ``blocked``;
+``dense`` has none and is refused when the mesh is built), so the work is proportional to the rows
+actually received, not to the capacity buffer. Capacity, queue positions and the combine are the
+ones of :mod:`jaxmoe.model.slots`.
 
 Under a mesh, dropping is decided only by ``mesh.a2a_capacity_factor``; ``moe.capacity_factor``
 belongs to the single-device ``dense`` path.
@@ -55,12 +57,16 @@ psum_scatter), and ``shard_map`` sums the cotangent of an input that is replicat
 from __future__ import annotations
 
 import functools
-import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxmoe.errors import UserError
+from jaxmoe.model.experts import grouped_swiglu
+from jaxmoe.model.slots import capacity, combine, slot_positions
 
-KINDS = ("all_to_all", "ragged_all_to_all", "allgather")
-TEST_KINDS = ("ragged_all_to_all_emulated",)  # CPU stand-in for the ragged collective (tests)
+# KINDS / TEST_KINDS: see DISPATCHERS (the table of implementations) at the end of the chunks
 
 TOKEN_AXES = ("replica", "fsdp", "expert")
 EXPERT_AXIS = "expert"
@@ -110,27 +116,9 @@ def resolve_dispatcher(cfg, platform: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _slot_positions(idx, n_experts):
-    """Position ``[T, k]`` of each assignment in its expert's queue, in (choice rank, token)
-    order (docs/LAYOUT.md). Sort-based, O(T*k) memory (no [T*k, E] one-hot)."""
-    import jax.numpy as jnp
-
-    t, k = idx.shape
-    rank_major = idx.T.reshape(-1)
-    order = jnp.argsort(rank_major, stable=True)
-    counts = jnp.zeros((n_experts,), jnp.int32).at[rank_major].add(1)
-    starts = jnp.cumsum(counts) - counts
-    pos_sorted = jnp.arange(t * k, dtype=jnp.int32) - starts[rank_major[order]]
-    pos = jnp.zeros((t * k,), jnp.int32).at[order].set(pos_sorted)
-    return pos.reshape(k, t).T
-
-
 def _local_compute(x_src, src_row, row_expert, weights, n_local, path, block_size):
     """SwiGLU of rows ``x_src[src_row[i]]`` with local expert ``row_expert[i]``; rows whose
     expert is ``n_local`` (padding / not ours) give 0. Returns ``[len(src_row), D]``."""
-    import jax.numpy as jnp
-
-    from jaxmoe.model.experts import grouped_swiglu
 
     order = jnp.argsort(row_expert, stable=True)
     inverse = jnp.argsort(order)
@@ -140,33 +128,18 @@ def _local_compute(x_src, src_row, row_expert, weights, n_local, path, block_siz
     return y_sorted[inverse]
 
 
-def _combine(y_assign, w):
-    """fp32 weighted sum over the k choices: ``[T, k, D] x [T, k] -> [T, D]`` fp32."""
-    import jax.numpy as jnp
-
-    return jnp.einsum("tk,tkd->td", w.astype(jnp.float32), y_assign.astype(jnp.float32))
-
-
-def _capacity(cf: float, t: int, k: int, e: int) -> int:
-    if cf == 0:
-        return t
-    return min(t, max(1, math.ceil(cf * t * k / e)))
-
-
 # --------------------------------------------------------------------------------------------
 # One chunk of each dispatcher (runs per device inside shard_map)
 # --------------------------------------------------------------------------------------------
 
 
-def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size):
-    import jax
-    import jax.numpy as jnp
+def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size, moe_cfg, **_):
 
     t, k = idx.shape
     d = x.shape[-1]
     e_l = n_exp // n_x
-    cap = _capacity(cf, t, k, n_exp)
-    pos = _slot_positions(idx, n_exp)
+    cap = capacity(moe_cfg, t, factor=cf)
+    pos = slot_positions(idx, n_exp)
     keep = pos < cap
     slot = jnp.where(keep, idx * cap + pos, n_exp * cap)  # dropped -> out of range
     # [E*C, D] send buffer, expert-major (= destination-major: expert e lives on e // E_l)
@@ -182,7 +155,7 @@ def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size):
     back = jax.lax.all_to_all(y_rows, EXPERT_AXIS, 0, 0, tiled=True)  # my slots, computed
     y_assign = back.at[slot].get(mode="fill", fill_value=0)  # [T, k, D]
     dropped = jnp.sum(~keep).astype(jnp.int32)
-    return _combine(y_assign, w), dropped
+    return combine(y_assign, w), dropped
 
 
 def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
@@ -190,8 +163,6 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
     """Same contract as ``jax.lax.ragged_all_to_all``, built from ``all_gather`` + gathers so that
     it runs on XLA:CPU. For tests of the ragged dispatcher's offset arithmetic only: it moves
     ``axis_size`` times the data."""
-    import jax
-    import jax.numpy as jnp
 
     del recv_sizes  # implied by the senders' send_sizes
     me = jax.lax.axis_index(axis_name)
@@ -209,9 +180,7 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
     return jnp.where(hit[:, None], vals, output)
 
 
-def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, emulate):
-    import jax
-    import jax.numpy as jnp
+def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, emulate=False, **_):
 
     t, k = idx.shape
     d = x.shape[-1]
@@ -245,12 +214,10 @@ def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, emulate):
     back_off = jax.lax.all_to_all(in_off, EXPERT_AXIS, 0, 0, tiled=True)  # src's offset for me
     back = ragged(y_rows, jnp.zeros((n, d), x.dtype), recv_off, recv_sizes, back_off, send_sizes)
     y_assign = back[inverse].reshape(t, k, d)
-    return _combine(y_assign, w), jnp.zeros((), jnp.int32)
+    return combine(y_assign, w), jnp.zeros((), jnp.int32)
 
 
-def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size):
-    import jax
-    import jax.numpy as jnp
+def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, **_):
 
     t, k = idx.shape
     e_l = n_exp // n_x
@@ -263,9 +230,35 @@ def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size):
     row_e = jnp.where(mine, le, e_l).reshape(-1)  # assignment a = token a // k
     src = jnp.arange(row_e.shape[0]) // k
     y_rows = _local_compute(xg, src, row_e, wl, e_l, path, block_size)
-    part = _combine(y_rows.reshape(n_x * t, k, -1), jnp.where(mine, wg, 0.0))  # [X*T, D] fp32
+    part = combine(y_rows.reshape(n_x * t, k, -1), jnp.where(mine, wg, 0.0))  # [X*T, D] fp32
     y = jax.lax.psum_scatter(part, EXPERT_AXIS, scatter_dimension=0, tiled=True)
     return y, jnp.zeros((), jnp.int32)
+
+
+# The table of dispatchers (mesh.dispatcher; "auto" is resolved per backend by resolve_dispatcher).
+# Each entry runs one chunk of one device's tokens inside shard_map.
+DISPATCHERS = {
+    "all_to_all": _a2a_chunk,
+    "ragged_all_to_all": _ragged_chunk,
+    "allgather": _allgather_chunk,
+    # test-only: the ragged dispatcher's index arithmetic with an all_gather emulation of the
+    # collective, so that it runs on XLA:CPU
+    "ragged_all_to_all_emulated": functools.partial(_ragged_chunk, emulate=True),
+}
+KINDS = ("all_to_all", "ragged_all_to_all", "allgather")
+TEST_KINDS = ("ragged_all_to_all_emulated",)
+
+
+def _check_table() -> None:
+    import typing
+
+    from jaxmoe.config import MeshConfig
+
+    declared = set(typing.get_args(typing.get_type_hints(MeshConfig)["dispatcher"])) - {"auto"}
+    assert declared == set(KINDS) and set(DISPATCHERS) == set(KINDS + TEST_KINDS)
+
+
+_check_table()
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,12 +268,10 @@ def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size):
 
 def make_dispatch(cfg, mesh, kind: str):
     """A callable with ``expert_ffn``'s signature running ``kind`` over ``mesh``."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
 
     if kind not in KINDS + TEST_KINDS:
         raise UserError(f"unknown dispatcher {kind!r}; choose one of {', '.join(KINDS)}")
+    chunk_fn = DISPATCHERS[kind]
     n_x = mesh.shape[EXPERT_AXIS]
     n_chunks = cfg.mesh.dispatch_chunks
     cf = cfg.mesh.a2a_capacity_factor
@@ -289,8 +280,7 @@ def make_dispatch(cfg, mesh, kind: str):
     w_out = P(EXPERT_AXIS, TENSOR_AXIS, None)  # down [E, I, D]
 
     def dispatch(x, topk_idx, topk_weights, weights, moe_cfg, *, path=None):
-        path = path or moe_cfg.compute_path
-        local_path = "ragged" if path == "ragged" else "blocked"
+        local_path = path or moe_cfg.compute_path  # its grouped form runs on the received rows
         n_exp = weights["gate_proj"].shape[0]
         if n_exp % n_x:
             raise UserError(f"mesh axis expert={n_x} does not divide the {n_exp} experts")
@@ -302,13 +292,8 @@ def make_dispatch(cfg, mesh, kind: str):
                     f"mesh.dispatch_chunks={n_chunks} does not divide the {t} tokens per device"
                 )
             wl = {"gate_proj": wg, "up_proj": wu, "down_proj": wd}
-            common = dict(n_exp=n_exp, n_x=n_x, path=local_path, block_size=moe_cfg.block_size)
-            if kind == "all_to_all":
-                one = functools.partial(_a2a_chunk, cf=cf, **common)
-            elif kind == "allgather":
-                one = functools.partial(_allgather_chunk, **common)
-            else:
-                one = functools.partial(_ragged_chunk, emulate=kind.endswith("_emulated"), **common)
+            one = functools.partial(chunk_fn, n_exp=n_exp, n_x=n_x, path=local_path,
+                                    block_size=moe_cfg.block_size, moe_cfg=moe_cfg, cf=cf)
             tc = t // n_chunks
             ys, dropped = [], jnp.zeros((), jnp.int32)
             for c in range(n_chunks):  # unrolled: chunk c's collectives can overlap c+1's compute

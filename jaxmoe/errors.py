@@ -1,6 +1,12 @@
-"""User-facing errors: one line that names what is wrong and how to fix it (pure Python)."""
+"""User-facing errors: one line that names what is wrong and how to fix it (pure Python).
 
-from jaxmoe.config import ConfigError
+Both live here, below everything else, so that any module (config, architecture records,
+checkpoints) can raise them without importing another jaxmoe module.
+"""
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line and names the offending key."""
 
 
 class UserError(Exception):

@@ -36,32 +36,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxmoe.config import Config, ConfigError, SECTIONS, validate
+from jaxmoe.archs import ARCHS, MODEL_TYPES as _ARCH_BY_TYPE, arch_for_model_type, get_arch
+from jaxmoe.archs.common import get as _get
+from jaxmoe.config import Config, SECTIONS, validate
+from jaxmoe.errors import ConfigError
 
-ARCHITECTURES = {
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
-
-# model_type in a config.json -> our hf_arch. Kimi-K2 ships the DeepSeek-V3 architecture under its
-# own model_type (and remote code); its weights use DeepSeek-V3 names.
-MODEL_TYPES = {
-    "deepseek_v3": "deepseek_v3",
-    "kimi_k2": "deepseek_v3",
-    "qwen3_moe": "qwen3_moe",
-    "mixtral": "mixtral",
-}
+# Views of the architecture records (jaxmoe/archs), kept for callers of this module.
+ARCHITECTURES = {name: a.hf_class for name, a in ARCHS.items()}
+MODEL_TYPES = {t: a.name for t, a in _ARCH_BY_TYPE.items()}
 
 
 # --------------------------------------------------------------------------------------------
 # jaxmoe -> HF
 # --------------------------------------------------------------------------------------------
-
-
-def _need(cond: bool, arch: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"hf_arch={arch!r} cannot express {msg}")
 
 
 def _rope_parameters(cfg: Config) -> dict:
@@ -87,12 +74,11 @@ def to_hf_config(cfg: Config, dtype: str = "float32") -> dict:
     ``torch_dtype`` for 4.x). Raises ConfigError when the architecture cannot express ``cfg``.
     """
     m, e = cfg.model, cfg.moe
-    arch = m.hf_arch
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"model.hf_arch={arch!r} is not one of: {', '.join(ARCHITECTURES)}")
+    arch = get_arch(m.hf_arch)
+    arch.check(cfg)
     d: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [arch.hf_class],
+        "model_type": arch.name,
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers,
@@ -103,73 +89,13 @@ def to_hf_config(cfg: Config, dtype: str = "float32") -> dict:
         "initializer_range": m.init_std,
         "tie_word_embeddings": m.tie_embeddings,
         "num_experts_per_tok": e.top_k,
-        "moe_intermediate_size": e.expert_ffn_dim,
-        "norm_topk_prob": e.norm_topk_prob,
         "rope_theta": float(m.rope_theta),
         "rope_parameters": _rope_parameters(cfg),
         "dtype": dtype,
         "torch_dtype": dtype,
         "use_cache": True,
     }
-    if arch == "deepseek_v3":
-        _need(m.attention == "mla", arch, f"model.attention={m.attention!r} (MLA only)")
-        _need(e.score_func == "sigmoid", arch, f"moe.score_func={e.score_func!r} (sigmoid only)")
-        d.update(
-            num_key_value_heads=m.n_heads,
-            q_lora_rank=m.q_lora_rank if m.q_lora_rank > 0 else None,
-            kv_lora_rank=m.kv_lora_rank,
-            qk_nope_head_dim=m.qk_nope_head_dim,
-            qk_rope_head_dim=m.qk_rope_head_dim,
-            qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim,
-            head_dim=m.qk_rope_head_dim,  # what DeepseekV3Config derives (RoPE width)
-            v_head_dim=m.v_head_dim,
-            rope_interleave=m.rope_layout == "interleaved",
-            intermediate_size=m.dense_ffn_dim,
-            first_k_dense_replace=m.first_k_dense,
-            moe_layer_freq=1,
-            n_routed_experts=e.n_experts,
-            n_shared_experts=e.n_shared_experts,
-            routed_scaling_factor=e.route_scale,
-            n_group=e.n_groups,
-            topk_group=e.topk_groups,
-            scoring_func="sigmoid",
-            # noaux_tc = DeepSeek-V3's bias-corrected selection. HF always adds
-            # e_score_correction_bias; with use_expert_bias=False it is kept at zero.
-            topk_method="noaux_tc" if e.use_expert_bias else "greedy",
-            seq_aux=e.seq_aux_coef > 0,
-            aux_loss_alpha=e.seq_aux_coef,
-            num_nextn_predict_layers=0,  # jaxmoe has no multi-token-prediction layers
-            attention_bias=False,
-        )
-    else:
-        _need(m.attention == "gqa", arch, f"model.attention={m.attention!r} (GQA only)")
-        _need(e.score_func == "softmax", arch, f"moe.score_func={e.score_func!r} (softmax only)")
-        _need(e.route_scale == 1.0, arch, f"moe.route_scale={e.route_scale} (must be 1.0)")
-        _need(e.n_groups == 1, arch, f"moe.n_groups={e.n_groups} (no group-limited routing)")
-        _need(e.n_shared_experts == 0, arch, f"moe.n_shared_experts={e.n_shared_experts} (none)")
-        _need(m.rope_layout == "half", arch, f"model.rope_layout={m.rope_layout!r} (half only)")
-        d.update(
-            num_key_value_heads=m.n_kv_heads,
-            head_dim=m.head_dim,
-            router_aux_loss_coef=e.lb_coef,
-            sliding_window=None,
-        )
-        if arch == "qwen3_moe":
-            _need(m.qk_norm, arch, "model.qk_norm=false (Qwen3-MoE always has q_norm/k_norm)")
-            d.update(
-                num_experts=e.n_experts,
-                intermediate_size=m.dense_ffn_dim,
-                decoder_sparse_step=1,
-                mlp_only_layers=list(range(m.first_k_dense)),
-                use_sliding_window=False,
-                attention_bias=False,
-            )
-        else:  # mixtral: intermediate_size is the expert width; top-k is always renormalised
-            _need(not m.qk_norm, arch, "model.qk_norm=true")
-            _need(m.first_k_dense == 0, arch, f"model.first_k_dense={m.first_k_dense} (none)")
-            _need(e.norm_topk_prob, arch, "moe.norm_topk_prob=false (Mixtral always renormalises)")
-            del d["moe_intermediate_size"], d["norm_topk_prob"]
-            d.update(num_local_experts=e.n_experts, intermediate_size=e.expert_ffn_dim)
+    d.update(arch.to_hf(cfg))
     return d
 
 
@@ -190,15 +116,6 @@ def _rope_dict(d: dict) -> dict:
     return rope
 
 
-def _get(d: dict, *keys: str, default: Any = ...) -> Any:
-    for k in keys:
-        if k in d and d[k] is not None:
-            return d[k]
-    if default is ...:
-        raise ConfigError(f"config.json lacks {' / '.join(keys)} (model_type {d.get('model_type')!r})")
-    return default
-
-
 def from_hf_config(d: dict, base: Config | None = None) -> Config:
     """Build a Config from a HF ``config.json`` dict (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral).
 
@@ -210,12 +127,7 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
     if not isinstance(d, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ConfigError(
-            f"config.json model_type={model_type!r} is not supported; supported: "
-            + ", ".join(MODEL_TYPES)
-        )
-    arch = MODEL_TYPES[model_type]
+    arch = arch_for_model_type(model_type)
     given_base = base is not None
     base = base if base is not None else Config()
     cfg = Config(
@@ -229,10 +141,10 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
         raise ConfigError(f"config.json hidden_act={act!r} is not supported (SwiGLU with silu only)")
     if d.get("attention_bias"):
         raise ConfigError("config.json attention_bias=true is not supported (no attention biases)")
-    if d.get("use_sliding_window") or (arch == "mixtral" and d.get("sliding_window")):
+    if d.get("use_sliding_window") or (arch.name == "mixtral" and d.get("sliding_window")):
         raise ConfigError("config.json sliding_window attention is not supported; set it to null")
 
-    m.hf_arch = arch
+    m.hf_arch = arch.name
     if not given_base:
         m.name = str(d.get("_name_or_path") or model_type).rstrip("/").split("/")[-1] or model_type
     m.vocab_size = int(_get(d, "vocab_size"))
@@ -269,86 +181,7 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
             f"config.json rope type {rope['rope_type']!r} is not supported (default or yarn)"
         )
 
-    if arch == "deepseek_v3":
-        scoring = d.get("scoring_func", "sigmoid")
-        if scoring != "sigmoid":
-            raise ConfigError(f"config.json scoring_func={scoring!r} is not supported (sigmoid)")
-        if int(d.get("moe_layer_freq", 1)) != 1:
-            raise ConfigError(f"config.json moe_layer_freq={d['moe_layer_freq']} is not supported (1)")
-        kv = d.get("num_key_value_heads")
-        if kv is not None and int(kv) != m.n_heads:
-            raise ConfigError(
-                f"config.json num_key_value_heads={kv} must equal num_attention_heads={m.n_heads} "
-                "for MLA"
-            )
-        m.attention = "mla"
-        m.qk_norm = False
-        m.q_lora_rank = int(d.get("q_lora_rank") or 0)
-        m.kv_lora_rank = int(_get(d, "kv_lora_rank"))
-        m.qk_nope_head_dim = int(_get(d, "qk_nope_head_dim"))
-        m.qk_rope_head_dim = int(_get(d, "qk_rope_head_dim"))
-        m.v_head_dim = int(_get(d, "v_head_dim"))
-        qk = d.get("qk_head_dim")
-        if qk is not None and int(qk) != m.qk_nope_head_dim + m.qk_rope_head_dim:
-            raise ConfigError(
-                f"config.json qk_head_dim={qk} contradicts qk_nope_head_dim + qk_rope_head_dim = "
-                f"{m.qk_nope_head_dim + m.qk_rope_head_dim}"
-            )
-        m.rope_layout = "interleaved" if d.get("rope_interleave", True) else "half"
-        m.first_k_dense = int(d.get("first_k_dense_replace") or 0)
-        m.dense_ffn_dim = int(_get(d, "intermediate_size"))
-        e.n_experts = int(_get(d, "n_routed_experts", "num_local_experts"))
-        e.expert_ffn_dim = int(_get(d, "moe_intermediate_size"))
-        e.n_shared_experts = int(d.get("n_shared_experts") or 0)
-        e.score_func = "sigmoid"
-        e.norm_topk_prob = bool(d.get("norm_topk_prob", True))
-        e.route_scale = float(d.get("routed_scaling_factor", 1.0))
-        e.n_groups = int(d.get("n_group") or 1)
-        e.topk_groups = int(d.get("topk_group") or 1)
-        # HF's DeepseekV3 always selects with e_score_correction_bias; only an explicit
-        # non-noaux_tc topk_method (DeepSeek's own config key) turns the bias off.
-        e.use_expert_bias = d.get("topk_method", "noaux_tc") == "noaux_tc"
-        if d.get("seq_aux", False):
-            e.seq_aux_coef = float(d.get("aux_loss_alpha", 0.0))
-        elif "seq_aux" in d:
-            e.seq_aux_coef = 0.0
-    else:
-        m.attention = "gqa"
-        m.n_kv_heads = int(_get(d, "num_key_value_heads", default=m.n_heads))
-        m.head_dim = int(_get(d, "head_dim", default=m.d_model // m.n_heads))
-        m.rope_layout = "half"
-        e.score_func = "softmax"
-        e.route_scale = 1.0
-        e.n_groups = 1
-        e.topk_groups = 1
-        e.use_expert_bias = False
-        e.n_shared_experts = 0
-        if "router_aux_loss_coef" in d:
-            e.lb_coef = float(d["router_aux_loss_coef"])
-        if arch == "qwen3_moe":
-            m.qk_norm = True
-            e.n_experts = int(_get(d, "num_experts", "num_local_experts"))
-            e.expert_ffn_dim = int(_get(d, "moe_intermediate_size"))
-            e.norm_topk_prob = bool(d.get("norm_topk_prob", False))
-            m.dense_ffn_dim = int(_get(d, "intermediate_size", default=m.dense_ffn_dim))
-            dense = list(d.get("mlp_only_layers") or [])
-            step = int(d.get("decoder_sparse_step", 1))
-            if step != 1:
-                raise ConfigError(f"config.json decoder_sparse_step={step} is not supported (1)")
-            if dense != list(range(len(dense))):
-                raise ConfigError(
-                    f"config.json mlp_only_layers={dense} is not supported: dense layers must be "
-                    "the first k layers [0, 1, ..., k-1]"
-                )
-            m.first_k_dense = len(dense)
-        else:  # mixtral
-            m.qk_norm = False
-            m.first_k_dense = 0
-            e.n_experts = int(_get(d, "num_local_experts", "num_experts"))
-            e.expert_ffn_dim = int(_get(d, "intermediate_size"))
-            e.norm_topk_prob = True
-            if d.get("router_jitter_noise"):
-                raise ConfigError("config.json router_jitter_noise > 0 is not supported")
+    arch.from_hf(d, cfg)
     if cfg.train.seq_len > m.max_seq_len:
         cfg.train.seq_len = m.max_seq_len
     return validate(cfg)

@@ -1,9 +1,12 @@
 """Losses and the expert-bias update (docs/LAYOUT.md "Losses"). Everything is fp32.
 
+Computed from the model's outputs -- the logits and the routing record ``aux`` that
+:func:`jaxmoe.model.transformer.apply_model` returns -- never inside the model:
+
 * ``cross_entropy``: summed over valid tokens / number of valid tokens (global count when the
   caller passes ``n_valid``), plus the output-logit z-loss ``logsumexp^2`` with the same reduction.
-* Router losses per MoE layer (the model sums them over layers): Switch load balance, DeepSeek-V3
-  sequence-wise balance, router z-loss.
+* Router losses per MoE layer, summed over layers (:func:`router_losses`): Switch load balance,
+  DeepSeek-V3 sequence-wise balance, router z-loss.
 * ``update_expert_bias``: aux-loss-free sign rule, mean-centred.
 """
 
@@ -77,9 +80,11 @@ def update_expert_bias(bias, counts, rate):
     return (bias + delta).astype(bias.dtype)
 
 
-def router_losses(cfg, router_logits, router_scores, topk_idx, batch, seq):
-    """Per-layer router losses summed over the stacked MoE layers (leading axis ``Lm``)."""
+def router_losses(cfg, router: dict, batch: int, seq: int) -> dict:
+    """Per-layer router losses summed over the stacked MoE layers (leading axis ``Lm``) of the
+    routing record ``router`` (``logits``, ``scores``, ``topk_idx``); tokens ``T = batch*seq``."""
     e, k = cfg.moe.n_experts, cfg.moe.top_k
+    router_logits, router_scores, topk_idx = router["logits"], router["scores"], router["topk_idx"]
     if router_logits.shape[0] == 0:
         zero = jnp.zeros((), jnp.float32)
         return {"lb": zero, "seq_aux": zero, "router_z": zero}
@@ -96,14 +101,9 @@ def router_losses(cfg, router_logits, router_scores, topk_idx, batch, seq):
     return {"lb": lb.sum(), "seq_aux": sa.sum(), "router_z": rz.sum()}
 
 
-def compute_loss(cfg, logits, aux, batch, n_valid=None):
-    """Total loss and fp32 metrics from the model outputs.
-
-    ``total = ce + z_loss_coef*z_loss + lb_coef*lb + seq_aux_coef*seq_aux + router_z_coef*router_z``;
-    metrics ``{"loss", "ce", "z_loss", "lb", "seq_aux", "router_z"}``.
-    """
-    ce, z = cross_entropy(logits, batch["targets"], batch["mask"], n_valid)
-    rl = aux["losses"]
+def weigh_terms(cfg, ce, z, rl: dict):
+    """``total = ce + z_loss_coef*z + lb_coef*lb + seq_aux_coef*seq_aux + router_z_coef*router_z``
+    and the metrics ``{"loss", "ce", "z_loss", "lb", "seq_aux", "router_z"}`` (unweighted terms)."""
     m = cfg.moe
     total = (
         ce
@@ -112,23 +112,15 @@ def compute_loss(cfg, logits, aux, batch, n_valid=None):
         + m.seq_aux_coef * rl["seq_aux"]
         + m.router_z_coef * rl["router_z"]
     )
-    metrics = {
-        "loss": total,
-        "ce": ce,
-        "z_loss": z,
-        "lb": rl["lb"],
-        "seq_aux": rl["seq_aux"],
-        "router_z": rl["router_z"],
-    }
+    metrics = {"loss": total, "ce": ce, "z_loss": z, "lb": rl["lb"], "seq_aux": rl["seq_aux"],
+               "router_z": rl["router_z"]}
     return total, metrics
 
 
-def model_loss(cfg, params, buffers, batch, *, n_valid=None, dispatch=None, forced_idx=None):
-    """``apply_model`` + ``compute_loss``: returns ``(total, (metrics, aux))`` for ``jax.grad``."""
-    from jaxmoe.model.transformer import apply_model  # late import: transformer imports us
-
-    logits, aux = apply_model(
-        cfg, params, buffers, batch["inputs"], forced_idx=forced_idx, dispatch=dispatch
-    )
-    total, metrics = compute_loss(cfg, logits, aux, batch, n_valid)
-    return total, (metrics, aux)
+def compute_loss(cfg, logits, aux, batch, n_valid=None):
+    """Total loss and fp32 metrics from the model outputs (logits and routing record ``aux``):
+    cross-entropy and z-loss over ``batch``'s valid tokens, router losses over every position,
+    weighted by :func:`weigh_terms`."""
+    ce, z = cross_entropy(logits, batch["targets"], batch["mask"], n_valid)
+    b, s = batch["targets"].shape
+    return weigh_terms(cfg, ce, z, router_losses(cfg, aux["router"], b, s))

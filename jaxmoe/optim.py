@@ -1,14 +1,15 @@
 """Optimizers for jaxmoe: learning-rate schedules, AdamW with masked decay, and Muon.
 
-Everything here works on generic parameter pytrees (nested dicts of arrays whose keys join with
-``/`` into the paths of docs/LAYOUT.md) and returns ``optax`` transformations, so the training loop
-only sees ``build_optimizer(tcfg, params)``.
+Everything here works on generic parameter pytrees (nested dicts of arrays) and returns ``optax``
+transformations, so the training loop only sees ``build_optimizer(tcfg, params, groups)``. Which
+parameter gets which treatment comes from its declared optimizer group (``matrix``, ``embed``,
+``head``, ``vector``; :mod:`jaxmoe.model.params`), never from its name.
 
 Two optimizer set-ups (``train.optimizer``):
 
 * ``adamw``: AdamW on every parameter (decoupled weight decay, masked by :func:`decay_mask`).
-* ``muon``: Muon on every weight matrix (:func:`param_labels` == "muon"), AdamW on the rest
-  (embedding, LM head, norms, vectors).
+* ``muon``: Muon on every ``matrix`` parameter (:func:`param_labels` == "muon"), AdamW on the
+  rest (embedding, LM head, norms, vectors).
 
 Both start with global-norm gradient clipping computed the way ``torch.nn.utils.clip_grad_norm_``
 does it (see :func:`clip_by_global_norm`), so that the PyTorch reference can use the stock torch
@@ -89,73 +90,31 @@ def lr_schedule(tcfg: TrainConfig, base_lr: float) -> Callable[[Any], jax.Array]
 
 
 # --------------------------------------------------------------------------------------------
-# Which parameters get Muon / weight decay
+# Which parameters get Muon / weight decay: read from the declarations' optimizer groups
 # --------------------------------------------------------------------------------------------
 
 
-def _path_keys(path) -> list[str]:
-    out = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            out.append(str(k.key))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            out.append(k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out.append(str(k.idx))
-        else:
-            out.append(str(k))
-    return out
+def param_labels(groups) -> Any:
+    """``"muon"`` for every ``"matrix"`` parameter, ``"adamw"`` for the rest (embedding, LM head,
+    norms, vectors); ``groups`` is the pytree of optimizer groups declared by the modules
+    (:func:`jaxmoe.model.declared_groups`). Leading dims (layers, experts) are batch dims."""
+    return jax.tree_util.tree_map(lambda g: "muon" if g == "matrix" else "adamw", groups)
 
 
-def _stack_dims(keys: list[str]) -> int:
-    """Leading batch dims of a leaf in the canonical layout: 1 for the scanned layer axis of
-    everything under ``dense/`` or ``moe/``, +1 for the expert axis under ``experts/``."""
-    n = 1 if keys and keys[0] in ("dense", "moe") else 0
-    if "experts" in keys[:-1]:
-        n += 1
-    return n
+def decay_mask(groups, tcfg: TrainConfig) -> Any:
+    """True where AdamW applies weight decay: ``matrix`` and ``head`` always; ``vector`` (norms and
+    other vectors) only if ``tcfg.decay_norms``; ``embed`` only if ``tcfg.decay_embeddings``."""
 
-
-def _kind(keys: list[str], ndim: int) -> str:
-    """'embed', 'head', 'vector' (norms and other per-feature vectors) or 'matrix'."""
-    name = keys[-1] if keys else ""
-    if name == "embed":
-        return "embed"
-    if name == "lm_head":
-        return "head"
-    if name.endswith("norm") or ndim - _stack_dims(keys) < 2:
-        return "vector"
-    return "matrix"
-
-
-def param_labels(params) -> Any:
-    """``"muon"`` for every weight matrix, ``"adamw"`` for everything else, as a pytree like params.
-
-    A leaf is a weight matrix when it is a linear map stored ``[..., in, out]``: its rank without
-    the layout's stacked leading dims (layer axis under ``dense/``/``moe/``, expert axis under
-    ``experts/``) is 2 and it is not a norm. That covers the attention projections, dense MLP,
-    router, shared and routed experts. ``embed``, ``lm_head``, norms (``*norm``, e.g.
-    ``moe/attn_norm [Lm, D]``) and 1-D leaves are "adamw".
-    """
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: "muon" if _kind(_path_keys(path), jnp.ndim(x)) == "matrix" else "adamw",
-        params,
-    )
-
-
-def decay_mask(params, tcfg: TrainConfig) -> Any:
-    """True where AdamW applies weight decay: weight matrices and ``lm_head`` always; norms and
-    other vectors only if ``tcfg.decay_norms``; ``embed`` only if ``tcfg.decay_embeddings``."""
-
-    def decide(path, x):
-        kind = _kind(_path_keys(path), jnp.ndim(x))
-        if kind == "embed":
+    def decide(g):
+        if g == "embed":
             return bool(tcfg.decay_embeddings)
-        if kind == "vector":
+        if g == "vector":
             return bool(tcfg.decay_norms)
-        return True
+        if g in ("matrix", "head"):
+            return True
+        raise ValueError(f"unknown optimizer group {g!r}")
 
-    return jax.tree_util.tree_map_with_path(decide, params)
+    return jax.tree_util.tree_map(decide, groups)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,31 +285,38 @@ def muon(
 # --------------------------------------------------------------------------------------------
 
 
-def _adamw(tcfg: TrainConfig, params) -> optax.GradientTransformation:
+def _adamw(tcfg: TrainConfig, mask) -> optax.GradientTransformation:
     return optax.adamw(
         learning_rate=lr_schedule(tcfg, tcfg.lr),
         b1=tcfg.beta1,
         b2=tcfg.beta2,
         eps=tcfg.eps,
         weight_decay=tcfg.weight_decay,
-        mask=decay_mask(params, tcfg),
+        mask=mask,
     )
 
 
-def build_optimizer(tcfg: TrainConfig, params) -> optax.GradientTransformation:
+def build_optimizer(tcfg: TrainConfig, params, groups) -> optax.GradientTransformation:
     """Gradient clipping (``tcfg.grad_clip``; 0 = off) then AdamW, or Muon + AdamW.
 
-    ``adamw``: :func:`optax.adamw` with ``lr_schedule(tcfg, tcfg.lr)`` on all params, decay masked
-    by :func:`decay_mask`. ``muon``: ``optax.multi_transform`` over :func:`param_labels`, Muon
-    (``lr_schedule(tcfg, tcfg.muon_lr)``, ``tcfg.muon_*``) on "muon" leaves and the same AdamW on
-    "adamw" leaves. ``params`` is only used for its structure (labels and masks).
+    ``groups``: the optimizer group of every parameter, a pytree like ``params`` (the modules'
+    declarations: :func:`jaxmoe.model.declared_groups`). ``adamw``: :func:`optax.adamw` with
+    ``lr_schedule(tcfg, tcfg.lr)`` on all params, decay masked by :func:`decay_mask`. ``muon``:
+    ``optax.multi_transform`` over :func:`param_labels`, Muon (``lr_schedule(tcfg, tcfg.muon_lr)``,
+    ``tcfg.muon_*``) on "muon" leaves and the same AdamW on "adamw" leaves. ``params`` is only
+    used for its structure.
     """
+    if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(groups):
+        raise ValueError("build_optimizer: groups do not have the structure of params")
+    mask = decay_mask(groups, tcfg)
     if tcfg.optimizer == "adamw":
-        opt = _adamw(tcfg, params)
+        opt = _adamw(tcfg, mask)
     elif tcfg.optimizer == "muon":
-        labels = param_labels(params)
-        adamw_params = jax.tree_util.tree_map(
-            lambda x, lab: x if lab == "adamw" else optax.MaskedNode(), params, labels
+        labels = param_labels(groups)
+        # Inside multi_transform the AdamW branch sees the non-adamw leaves as MaskedNode, so its
+        # decay mask must have the same MaskedNode placeholders.
+        adamw_mask = jax.tree_util.tree_map(
+            lambda m, lab: m if lab == "adamw" else optax.MaskedNode(), mask, labels
         )
         opt = optax.multi_transform(
             {
@@ -365,9 +331,7 @@ def build_optimizer(tcfg: TrainConfig, params) -> optax.GradientTransformation:
                     weight_decay=tcfg.muon_weight_decay,
                     ns_dtype=tcfg.muon_ns_dtype,
                 ),
-                # Inside multi_transform the AdamW branch sees the non-adamw leaves as
-                # MaskedNode, so its decay mask must have the same MaskedNode placeholders.
-                "adamw": _adamw(tcfg, adamw_params),
+                "adamw": _adamw(tcfg, adamw_mask),
             },
             labels,
         )

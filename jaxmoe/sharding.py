@@ -12,9 +12,9 @@ How sharding is decided, in three steps:
    ``--mesh replica=4,expert=384`` (or the config's ``[mesh]``) gives the sizes; one axis may be
    ``-1`` to take the remaining devices. Axes not named are 1.
 
-2. **Logical axes.** Every parameter path of docs/LAYOUT.md gets logical axis names from ONE table,
-   :data:`PARAM_AXES` (keyed by the path's last components; the stacked layer axis of ``dense/``
-   and ``moe/`` leaves is ``"layers"`` and is never sharded).
+2. **Logical axes.** Every parameter and buffer declares its logical axis names where it is
+   created (``axes=`` metadata, :mod:`jaxmoe.model.params`); the stacked layer axis of ``dense/``
+   and ``moe/`` leaves is ``"layers"`` and is never sharded. :func:`declared_axes_flat` reads them.
 
 3. **Rules.** ONE table, :data:`LOGICAL_RULES`, maps each logical name to mesh axes (MaxText
    style). Divisibility is checked per array: a *strict* logical axis (``batch``, ``experts``,
@@ -72,61 +72,18 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
 # when they do not divide; every other sharded logical axis must divide exactly (else UserError)
 FSDP_LIKE = {"embed", "expert_embed", "lora"}
 
-# path suffix -> logical axes (without the leading "layers" axis of dense/ and moe/ leaves)
-PARAM_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("norm",),
-    "attn_norm": ("norm",),
-    "ffn_norm": ("norm",),
-    # GQA
-    "attn/q_proj": ("embed", "heads"),
-    "attn/k_proj": ("embed", "heads"),
-    "attn/v_proj": ("embed", "heads"),
-    "attn/o_proj": ("heads", "embed"),
-    "attn/q_norm": ("norm",),
-    "attn/k_norm": ("norm",),
-    # MLA
-    "attn/q_a_proj": ("embed", "lora"),
-    "attn/q_a_norm": ("norm",),
-    "attn/q_b_proj": ("lora", "heads"),
-    "attn/kv_a_proj": ("embed", "lora"),
-    "attn/kv_a_norm": ("norm",),
-    "attn/kv_b_proj": ("lora", "heads"),
-    # dense FFN and shared experts
-    "mlp/gate_proj": ("embed", "mlp"),
-    "mlp/up_proj": ("embed", "mlp"),
-    "mlp/down_proj": ("mlp", "embed"),
-    "shared/gate_proj": ("embed", "mlp"),
-    "shared/up_proj": ("embed", "mlp"),
-    "shared/down_proj": ("mlp", "embed"),
-    # MoE
-    "router": ("embed", "router_experts"),
-    "experts/gate_proj": ("experts", "expert_embed", "expert_mlp"),
-    "experts/up_proj": ("experts", "expert_embed", "expert_mlp"),
-    "experts/down_proj": ("experts", "expert_mlp", "expert_embed"),
-    "expert_bias": ("router_experts",),
-}
 
-LAYER_PREFIXES = ("dense", "moe")
+def declared_axes_flat(cfg: Config) -> dict[str, tuple]:
+    """Logical axes of every parameter and buffer of ``cfg``'s model, by ``/``-joined path: read
+    from the declarations in the modules (jaxmoe.model.params), never from a table here."""
+    from jaxmoe.model.transformer import model_declarations  # jax-only; this module imports lazily
+
+    return {k: d.axes for k, d in model_declarations(cfg).items()}
 
 
-def logical_axes(path: str, ndim: int) -> tuple[str | None, ...] | None:
-    """Logical axis names of a parameter/buffer leaf from its ``/``-joined path and rank.
-
-    Returns None for a path the table does not know (the leaf is then replicated)."""
-    parts = path.split("/")
-    layered = parts[0] in LAYER_PREFIXES
-    for n in (2, 1):
-        key = "/".join(parts[-n:])
-        if key in PARAM_AXES and (n < len(parts) or not layered):
-            axes = PARAM_AXES[key]
-            if layered:
-                axes = ("layers",) + axes
-            if len(axes) != ndim:
-                raise ValueError(f"sharding rules: {path} has rank {ndim}, the table expects {axes}")
-            return axes
-    return None
+def logical_axes(cfg: Config, path: str) -> tuple[str | None, ...] | None:
+    """Logical axis names of the leaf ``path`` of ``cfg``'s model (None: no such declaration)."""
+    return declared_axes_flat(cfg).get(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,8 +170,9 @@ def _subsets(axes: tuple[str, ...]) -> list[tuple[str, ...]]:
     return sorted(out, key=len, reverse=True)
 
 
-def spec_for(path: str, shape: tuple[int, ...], sizes: dict[str, int], replicated: list | None = None):
-    """PartitionSpec of one leaf from the rules table.
+def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[str, int],
+             replicated: list | None = None):
+    """PartitionSpec of one leaf (``axes``: its declared logical axes) from the rules table.
 
     Each dim takes the live (size > 1) mesh axes of its logical name; a mesh axis is used at most
     once per array (the first dim claiming it wins). A dim that the axes do not divide:
@@ -227,11 +185,12 @@ def spec_for(path: str, shape: tuple[int, ...], sizes: dict[str, int], replicate
     """
     from jax.sharding import PartitionSpec as P
 
-    axes = logical_axes(path, len(shape))
     if axes is None:
         if replicated is not None:
-            replicated.append(f"{path} (no rule)")
+            replicated.append(f"{path} (no declaration)")
         return P()
+    if len(axes) != len(shape):
+        raise ValueError(f"sharding: {path} has shape {tuple(shape)} but declared axes {axes}")
     dims: list[tuple[str, ...]] = [()] * len(shape)
     used: set[str] = set()
     pending = []
@@ -287,13 +246,16 @@ def _path_str(keypath) -> list[str]:
     return out
 
 
-def param_specs(tree, sizes: dict[str, int], replicated: list | None = None):
-    """PartitionSpecs for a params (or buffers) nested dict, leaf by leaf."""
+def param_specs(tree, axes: dict[str, tuple], sizes: dict[str, int], replicated: list | None = None):
+    """PartitionSpecs for a params (or buffers) nested dict, leaf by leaf; ``axes``: declared
+    logical axes by ``/``-joined path (:func:`declared_axes_flat`)."""
     import jax
 
-    return jax.tree_util.tree_map_with_path(
-        lambda kp, x: spec_for("/".join(_path_str(kp)), tuple(x.shape), sizes, replicated), tree
-    )
+    def one(kp, x):
+        path = "/".join(_path_str(kp))
+        return spec_for(path, tuple(x.shape), axes.get(path), sizes, replicated)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def matched_specs(tree, params, pspecs):
@@ -339,6 +301,7 @@ class MeshContext:
     sizes: dict
     dispatch: Callable | None
     dispatcher: str
+    axes: dict = dataclasses.field(default_factory=dict)  # declared logical axes by leaf path
     replicated: list = dataclasses.field(default_factory=list)
 
     @property
@@ -362,12 +325,12 @@ class MeshContext:
 
         rep: list = []
         specs = {}
-        pspec = param_specs(state["params"], self.sizes, rep)
+        pspec = param_specs(state["params"], self.axes, self.sizes, rep)
         for k, v in state.items():
             if k == "params":
                 specs[k] = pspec
             elif k == "buffers":
-                specs[k] = param_specs(v, self.sizes, rep)
+                specs[k] = param_specs(v, self.axes, self.sizes, rep)
             elif k == "opt_state":
                 specs[k] = matched_specs(v, state["params"], pspec)
             else:
@@ -394,7 +357,7 @@ class MeshContext:
         import jax
         from jax.sharding import PartitionSpec as P
 
-        specs = param_specs(params, self.sizes)
+        specs = param_specs(params, self.axes, self.sizes)
         return jax.tree.map(lambda x, s: _place(x, self.named(s)), params, specs,
                             is_leaf=lambda x: isinstance(x, P) or hasattr(x, "shape"))
 
@@ -448,7 +411,13 @@ def _place(x, sharding):
 
 def validate_mesh(cfg: Config, sizes: dict[str, int]) -> None:
     """One-line UserErrors for a mesh that cannot run this config (before any compute)."""
+    from jaxmoe.model.experts import get_path
+
     e, t = cfg.moe, cfg.train
+    try:  # the dispatchers run an expert path on rows grouped by expert
+        get_path(e.compute_path, under_mesh=True)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     if cfg.model.n_moe_layers and e.n_experts % sizes["expert"]:
         raise UserError(
             f"mesh axis expert={sizes['expert']} does not divide moe.n_experts={e.n_experts}; "
@@ -490,11 +459,12 @@ def build_context(cfg: Config, sizes: dict[str, int] | None = None, *, dispatche
     mesh = make_mesh(sizes, devices)
     kind = dispatch_mod.resolve_dispatcher(cfg, platform=mesh.devices.flat[0].platform)
     fn = dispatch_mod.make_dispatch(cfg, mesh, kind)
-    ctx = MeshContext(cfg=cfg, mesh=mesh, sizes=sizes, dispatch=fn, dispatcher=kind)
+    ctx = MeshContext(cfg=cfg, mesh=mesh, sizes=sizes, dispatch=fn, dispatcher=kind,
+                      axes=declared_axes_flat(cfg))
     # check the rules against the real shapes now, so a bad mesh fails before any compute
-    from jaxmoe.model.transformer import init_params
+    from jaxmoe.model.transformer import abstract_params
 
-    params, buffers = jax.eval_shape(lambda: init_params(cfg, cfg.train.seed))
+    params, buffers = abstract_params(cfg)
     ctx.state_specs({"params": params, "buffers": buffers})
     return cfg, ctx
 
@@ -524,7 +494,7 @@ __all__ = [
     "AXES",
     "BATCH_AXES",
     "LOGICAL_RULES",
-    "PARAM_AXES",
+    "declared_axes_flat",
     "MeshContext",
     "build_context",
     "logical_axes",

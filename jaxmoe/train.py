@@ -3,11 +3,10 @@
 Read top to bottom:
 
 1. ``TrainState``: params (fp32 master), buffers (expert biases), optimizer state, step, RNG.
-2. ``make_train_step``: one jit-compiled step with donated state — micro-batches accumulated by a
-   ``lax.scan`` (gradients summed; CE normalised by the *global* count of valid tokens, so the sum
-   equals the full-batch gradient), global-norm clipping and the optimizer (``jaxmoe.optim``), a
-   non-finite guard that skips the update, and the aux-loss-free expert-bias update on the
-   expert counts summed over the whole step.
+2. ``make_train_step``: one jit-compiled step with donated state — the gradients of the training
+   objective over the step's micro-batches (``jaxmoe.objective.make_grad_fn``), global-norm
+   clipping and the optimizer (``jaxmoe.optim``), a non-finite guard that skips the update, and
+   the aux-loss-free expert-bias update on the expert counts summed over the whole step.
 3. ``Trainer``: data, checkpoints (``jaxmoe.checkpoint``), eval, metrics.jsonl, TensorBoard,
    progress bar, resume.
 4. ``add_args`` / ``run``: the CLI.
@@ -27,6 +26,16 @@ from typing import Any
 
 from jaxmoe.config import Config, config_to_toml, flops_per_token, load_config
 from jaxmoe.errors import ConfigError, UserError
+
+
+def __getattr__(name):
+    # The training objective lives in jaxmoe.objective (it imports jax); these names stay
+    # importable from here (public API) without importing jax for `jaxmoe train --help`.
+    if name in ("make_grad_fn", "router_stats", "split_micro_batches", "model_loss"):
+        from jaxmoe import objective
+
+        return getattr(objective, name)
+    raise AttributeError(name)
 
 # jax is imported lazily (inside functions) so that `jaxmoe --help` and config errors are instant.
 
@@ -55,97 +64,6 @@ def init_state(cfg: Config, tx, params=None, buffers=None) -> dict:
     }
 
 
-def split_micro_batches(batch: dict, n: int) -> dict:
-    """[B, S] -> [n, B/n, S]: micro-batch i takes rows i*B/n ... (i+1)*B/n - 1."""
-    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
-
-
-def router_stats(cfg: Config, aux: dict) -> dict:
-    """Per-MoE-layer load (max/mean assignments), dropped fraction and router entropy."""
-    import jax.numpy as jnp
-
-    counts = aux["counts"].astype(jnp.float32)  # [Lm, E]
-    if counts.shape[0] == 0:
-        return {}
-    load = counts.max(-1) / jnp.maximum(counts.mean(-1), 1e-9)
-    assignments = counts.sum(-1)
-    scores = aux["router"]["scores"]  # [Lm, T, E]
-    p = scores / jnp.maximum(scores.sum(-1, keepdims=True), 1e-20)
-    entropy = -(p * jnp.log(jnp.maximum(p, 1e-20))).sum(-1).mean(-1)
-    return {
-        "expert_load": load,
-        "counts": aux["counts"],
-        "dropped_frac": aux["dropped"].sum() / jnp.maximum(assignments.sum(), 1.0),
-        "router_entropy": entropy,
-    }
-
-
-def make_grad_fn(cfg: Config, *, dispatch=None):
-    """``grads(params, buffers, batch) -> (grads, metrics, counts)`` over the step's micro-batches.
-
-    ``batch`` holds the whole step's global batch ``[B, S]``; it is split into
-    ``cfg.train.micro_batches`` micro-batches (a ``lax.scan``) whose fp32 gradients are summed.
-    CE and the output z-loss are sums over valid tokens divided by the *global* valid count, so
-    their micro sums equal the full batch exactly. Aux router losses (load balance, sequence aux,
-    router z) are per micro-batch and averaged over micro-batches (as Megatron and torchtitan do).
-    ``counts`` [Lm, E] are the expert assignments summed over all micro-batches (for the bias update).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from jaxmoe.losses import model_loss
-
-    n_micro = cfg.train.micro_batches
-    zc = cfg.train.z_loss_coef
-
-    def micro_objective(params, buffers, mb, n_valid):
-        total, (metrics, aux) = model_loss(cfg, params, buffers, mb, n_valid=n_valid, dispatch=dispatch)
-        token_part = metrics["ce"] + zc * metrics["z_loss"]
-        objective = token_part + (total - token_part) / n_micro
-        return objective, (metrics, aux)
-
-    value_and_grad = jax.value_and_grad(micro_objective, has_aux=True)
-
-    def grads_fn(params, buffers, batch):
-        n_valid = jnp.maximum(batch["mask"].sum(), 1.0)
-        micro = split_micro_batches(batch, n_micro)
-        counts0 = jnp.zeros((cfg.model.n_moe_layers, cfg.moe.n_experts), jnp.float32)
-
-        def one(mb):
-            (obj, (metrics, aux)), grads = value_and_grad(params, buffers, mb, n_valid)
-            m = dict(metrics)
-            m["objective"] = obj
-            stats = router_stats(cfg, aux)
-            counts = counts0
-            if stats:
-                m["expert_load"] = stats["expert_load"]
-                m["router_entropy"] = stats["router_entropy"]
-                m["dropped"] = aux["dropped"].sum().astype(jnp.float32)
-                m["assignments"] = aux["counts"].sum().astype(jnp.float32)
-                counts = aux["counts"].astype(jnp.float32)
-            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), m, counts
-
-        def body(carry, mb):
-            out = one(mb)
-            return jax.tree.map(jnp.add, carry, out), None
-
-        first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(one, first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        (grads, msum, counts), _ = jax.lax.scan(body, zeros, micro)
-
-        metrics = {}
-        for k, v in msum.items():  # CE / z-loss are global sums already; the rest are means
-            metrics[k] = v if k in ("ce", "z_loss", "objective", "dropped", "assignments") else v / n_micro
-        metrics["loss"] = metrics["objective"]
-        metrics["n_valid"] = n_valid
-        if "dropped" in metrics:
-            metrics["dropped_frac"] = metrics.pop("dropped") / jnp.maximum(metrics.pop("assignments"), 1.0)
-        return grads, metrics, counts
-
-    return grads_fn
-
-
 def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
     """Build the jit-compiled train step ``step(state, batch) -> (state, metrics)``.
 
@@ -158,6 +76,7 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
     import optax
 
     from jaxmoe.losses import update_expert_bias
+    from jaxmoe.objective import make_grad_fn
 
     grads_fn = make_grad_fn(cfg, dispatch=dispatch)
     use_bias = cfg.moe.use_expert_bias and cfg.model.n_moe_layers > 0
@@ -198,7 +117,7 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
 def make_eval_step(cfg: Config, *, dispatch=None):
     import jax
 
-    from jaxmoe.losses import model_loss
+    from jaxmoe.objective import model_loss
 
     def ev(params, buffers, batch):
         total, (metrics, _) = model_loss(cfg, params, buffers, batch, dispatch=dispatch)
@@ -342,12 +261,14 @@ class Trainer:
         ctx = self.mesh_ctx
         dispatch = ctx.dispatch if ctx is not None else None
 
-        from jaxmoe.model.transformer import init_params
+        from jaxmoe.model.transformer import abstract_params, init_params
 
         params, buffers = init_params(cfg, cfg.train.seed) if not self.resume else (None, None)
         if self.resume:  # build abstract shapes for restore without materialising twice
-            params, buffers = jax.eval_shape(lambda: init_params(cfg, cfg.train.seed))
-        tx = build_optimizer(cfg.train, params)
+            params, buffers = abstract_params(cfg)
+        from jaxmoe.model.transformer import declared_groups
+
+        tx = build_optimizer(cfg.train, params, declared_groups(cfg))
         if self.resume:
             state = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
         else:

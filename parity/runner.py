@@ -291,44 +291,27 @@ class JaxSide:
         return {"logits": _np(logits), "aux": _tree_np(aux), "losses": {k: float(v) for k, v in metrics.items()}}
 
     def grads(self, batch: dict, forced=None) -> dict[str, np.ndarray]:
-        """Gradients by HF name. Natural routing: the training path ``make_grad_fn`` (micro-batch
-        accumulation included). Forced routing: the same objective written out here, per
-        micro-batch, with ``model_loss(..., forced_idx=...)`` (make_grad_fn has no forced_idx)."""
+        """Gradients by HF name, from the training path itself: ``make_grad_fn`` (micro-batch
+        accumulation included), with ``forced_idx`` when a routing is replayed."""
         import jax
         import jax.numpy as jnp
 
+        from jaxmoe.objective import make_grad_fn
+
         cfg = self.cfg
         jb = self.batch(batch)
-        if forced is None:
-            from jaxmoe.train import make_grad_fn
-
-            grads, _, _ = jax.jit(make_grad_fn(cfg, dispatch=self.dispatch))(self.params, self.buffers, jb)
-        else:
-            from jaxmoe.losses import model_loss
-
-            n_micro, zc = cfg.train.micro_batches, cfg.train.z_loss_coef
-            n_valid = jnp.maximum(jb["mask"].sum(), 1.0)
-
-            def objective(p, mb, fi):
-                total, (metrics, _) = model_loss(cfg, p, self.buffers, mb, n_valid=n_valid,
-                                                 dispatch=self.dispatch, forced_idx=fi)
-                token = metrics["ce"] + zc * metrics["z_loss"]
-                return token + (total - token) / n_micro
-
-            g_fn = jax.jit(jax.grad(objective))
-            grads = None
-            for mb, fi in zip(split_rows(batch, n_micro), split_forced(forced, cfg, n_micro)):
-                g = g_fn(self.params, self.batch(mb), jnp.asarray(fi, jnp.int32))
-                grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        f = None if forced is None else jnp.asarray(forced, jnp.int32)
+        grads, _, _ = jax.jit(make_grad_fn(cfg, dispatch=self.dispatch))(self.params, self.buffers, jb, f)
         return to_hf(cfg, _tree_np(grads), with_buffers=False)
 
     def train(self, batches: list[dict]) -> dict:
         """N steps of ``make_train_step``; -> {"losses": [...], "params": HF dict, "bias": [Lm, E]}."""
+        from jaxmoe.model.transformer import declared_groups
         from jaxmoe.optim import build_optimizer
         from jaxmoe.train import init_state, make_train_step
 
         cfg = self.cfg
-        tx = build_optimizer(cfg.train, self.params0)
+        tx = build_optimizer(cfg.train, self.params0, declared_groups(cfg))
         state = init_state(cfg, tx, self.params0, self.buffers0)
         if self.ctx is not None:
             state = self.ctx.place_state(state)
@@ -686,11 +669,13 @@ def compare_steps(cfg: Config, jt: dict, tt: dict, bias0, n_steps: int, tol: Tol
                len(flip_steps), None, stage="steps", flip_steps=flip_steps,
                flipped=[{"step": i, "layer": m.first_k_dense + j, "expert": e} for i, j, e in flips[:50]])
     loose = set()
-    moe = "block_sparse_moe" if m.hf_arch == "mixtral" else "mlp"
+    from jaxmoe.archs import get_arch
+
+    names = get_arch(m.hf_arch).names("per-expert")
     for _, j, ex in flips:
-        layer = m.first_k_dense + j
-        loose.add(f"model.layers.{layer}.{moe}.experts.{ex}.")
-        loose.add(f"model.layers.{layer}.{moe}.gate.weight")
+        pre = f"model.layers.{m.first_k_dense + j}."
+        loose.add(pre + names["experts/gate_proj"].split("{e}")[0] + f"{ex}.")
+        loose.add(pre + names["router"])
     strict = {n for n in tt["params"] if not any(n.startswith(p) for p in loose)}
     pre = f"step{n_steps}_param"
     compare_named(pre, {n: v for n, v in jt["params"].items() if n in strict or n not in tt["params"]},

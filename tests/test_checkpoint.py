@@ -41,7 +41,9 @@ def full_state(seed=0):
     tcfg = load_config("tiny", overrides=["train.optimizer=muon"]).train
     params = params_tree(seed)
     params32 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
-    tx = build_optimizer(tcfg, params32)
+    groups = {"embed": "embed", "lm_head": "head",
+              "moe": {"attn_norm": "vector", "experts": {"gate_proj": "matrix"}, "router": "matrix"}}
+    tx = build_optimizer(tcfg, params32, groups)
     opt_state = tx.init(params32)
     grads = jax.tree_util.tree_map(lambda x: jnp.cos(x + seed), params32)
     _, opt_state = tx.update(grads, opt_state, params32)

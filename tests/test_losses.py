@@ -7,6 +7,7 @@ import numpy as np
 from jaxmoe.config import load_config
 from jaxmoe.losses import (
     compute_loss,
+    weigh_terms,
     cross_entropy,
     load_balance_loss,
     router_z_loss,
@@ -92,9 +93,9 @@ def test_compute_loss_weights_terms():
     logits = jnp.asarray(RNG.normal(size=(2, 3, 7)).astype(np.float32))
     batch = {"inputs": jnp.zeros((2, 3), jnp.int32), "targets": jnp.ones((2, 3), jnp.int32),
              "mask": jnp.ones((2, 3), jnp.float32)}
-    aux = {"losses": {"lb": jnp.float32(3.0), "seq_aux": jnp.float32(5.0), "router_z": jnp.float32(7.0)}}
-    total, m = compute_loss(cfg, logits, aux, batch)
+    rl = {"lb": jnp.float32(3.0), "seq_aux": jnp.float32(5.0), "router_z": jnp.float32(7.0)}
     ce, z = cross_entropy(logits, batch["targets"], batch["mask"])
+    total, m = weigh_terms(cfg, ce, z, rl)
     np.testing.assert_allclose(total, ce + 0.5 * z + 0.75 + 0.625 + 14.0, rtol=1e-6)
     assert set(m) == {"loss", "ce", "z_loss", "lb", "seq_aux", "router_z"}
     np.testing.assert_allclose([m["ce"], m["z_loss"], m["lb"]], [ce, z, 3.0], rtol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxmoe.config import count_params, load_config
-from jaxmoe.losses import model_loss
+from jaxmoe.objective import model_loss
 from jaxmoe.model.transformer import Transformer, apply_model, init_params, param_count
 
 B, S = 2, 8

@@ -59,6 +59,22 @@ def layout_params(rng, *, dense=True, shared=True):
     return p
 
 
+def layout_groups(params):
+    """The declared optimizer groups of ``layout_params``' leaves: from the model declarations
+    of a config with the same leaves (dense layer, shared experts, QK-norm)."""
+    from jaxmoe.config import load_config
+    from jaxmoe.model.transformer import declared_groups
+
+    cfg = load_config("tiny", overrides=["model.n_layers=3", "model.first_k_dense=1",
+                                         "moe.n_shared_experts=1"])
+    groups = declared_groups(cfg)
+
+    def prune(g, p):
+        return {k: prune(g[k], v) if isinstance(v, dict) else g[k] for k, v in p.items()}
+
+    return prune(groups, params)
+
+
 def flat(tree):
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -72,7 +88,7 @@ def flat(tree):
 
 
 def test_param_labels_on_layout():
-    labels = flat(param_labels(layout_params(np.random.default_rng(0))))
+    labels = flat(param_labels(layout_groups(layout_params(np.random.default_rng(0)))))
     adamw = {k for k, v in labels.items() if v == "adamw"}
     assert adamw == {
         "embed", "lm_head", "final_norm",
@@ -90,20 +106,24 @@ def test_param_labels_on_layout():
 
 
 def test_param_labels_mla_and_unstacked():
-    p = {"moe": {"attn": {"q_a_norm": np.ones((2, 4)), "kv_a_norm": np.ones((2, 4)),
-                          "kv_a_proj": np.ones((2, 8, 6))}},
-         "w": np.ones((3, 5)), "bias": np.ones(5)}
-    labels = flat(param_labels(p))
-    assert labels == {"moe/attn/q_a_norm": "adamw", "moe/attn/kv_a_norm": "adamw",
-                      "moe/attn/kv_a_proj": "muon", "w": "muon", "bias": "adamw"}
+    from jaxmoe.config import load_config
+    from jaxmoe.model.transformer import declared_groups
+
+    labels = flat(param_labels(declared_groups(load_config("tiny-mla"))))
+    assert {k: labels[k] for k in ("moe/attn/q_a_norm", "moe/attn/kv_a_norm", "moe/attn/kv_a_proj",
+                                   "dense/attn/q_b_proj", "final_norm")} == {
+        "moe/attn/q_a_norm": "adamw", "moe/attn/kv_a_norm": "adamw", "moe/attn/kv_a_proj": "muon",
+        "dense/attn/q_b_proj": "muon", "final_norm": "adamw"}
+    # a group tree of any shape: labels follow the declared group alone
+    assert param_labels({"w": "matrix", "bias": "vector"}) == {"w": "muon", "bias": "adamw"}
 
 
 @pytest.mark.parametrize("norms,embeds", [(False, False), (True, False), (False, True)])
 def test_decay_mask(norms, embeds):
     tcfg = TrainConfig(decay_norms=norms, decay_embeddings=embeds)
-    params = layout_params(np.random.default_rng(0))
-    mask = flat(decay_mask(params, tcfg))
-    labels = flat(param_labels(params))
+    groups = layout_groups(layout_params(np.random.default_rng(0)))
+    mask = flat(decay_mask(groups, tcfg))
+    labels = flat(param_labels(groups))
     for k, m in mask.items():
         if k == "embed":
             assert m is embeds, k
@@ -278,13 +298,13 @@ def test_adamw_matches_torch(clip):
     params_np = layout_params(rng)
     grads_np = [jax.tree_util.tree_map(lambda x: rng.standard_normal(x.shape).astype(np.float32),
                                        params_np) for _ in range(STEPS)]
-    mask = flat(decay_mask(params_np, tcfg))
+    mask = flat(decay_mask(layout_groups(params_np), tcfg))
     assert not all(mask.values()) and any(mask.values())
     tp, groups = _torch_groups(params_np, mask, tcfg)
     topt = torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps)
     sched_fn = lr_schedule(tcfg, tcfg.lr)
 
-    tx = build_optimizer(tcfg, params_np)
+    tx = build_optimizer(tcfg, params_np, layout_groups(params_np))
     params = jax.tree_util.tree_map(jnp.asarray, params_np)
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -330,12 +350,13 @@ def test_build_optimizer_muon_routes_leaves():
     params = jax.tree_util.tree_map(jnp.asarray, layout_params(rng))
     grads = [jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32),
                                     params) for _ in range(3)]
-    tx = build_optimizer(tcfg, params)
+    groups = layout_groups(params)
+    tx = build_optimizer(tcfg, params, groups)
     ref_m = muon(0.03, momentum=tcfg.muon_momentum, nesterov=tcfg.muon_nesterov,
                  weight_decay=tcfg.muon_weight_decay, ns_dtype="float32")
     ref_a = optax.adamw(0.01, b1=tcfg.beta1, b2=tcfg.beta2, eps=tcfg.eps,
-                        weight_decay=tcfg.weight_decay, mask=decay_mask(params, tcfg))
-    labels = flat(param_labels(params))
+                        weight_decay=tcfg.weight_decay, mask=decay_mask(groups, tcfg))
+    labels = flat(param_labels(groups))
     mats = lambda t: {k: v for k, v in flat(t).items() if labels[k] == "muon"}  # noqa: E731
     s, sm, sa = tx.init(params), ref_m.init(mats(params)), ref_a.init(params)
     p, pm, pa = params, mats(params), params

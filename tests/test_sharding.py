@@ -32,6 +32,7 @@ from jaxmoe.errors import UserError
 from jaxmoe.sharding import (
     AXES,
     build_context,
+    declared_axes_flat,
     logical_axes,
     param_specs,
     parse_mesh,
@@ -79,21 +80,29 @@ def test_mesh_must_divide_experts_and_batch():
 def test_strict_dim_errors_name_the_axis():
     sizes = {"replica": 1, "fsdp": 1, "expert": 3, "tensor": 1}
     with pytest.raises(UserError, match=r"mesh axis expert=3 does not divide moe/experts/gate_proj"):
-        spec_for("moe/experts/gate_proj", (2, 8, 64, 64), sizes)
+        spec_for("moe/experts/gate_proj", (2, 8, 64, 64), _axes("moe/experts/gate_proj"), sizes)
+
+
+def _axes(path):
+    """Declared logical axes of a leaf of tiny-mla (which has every kind of leaf but QK-norm)."""
+    return logical_axes(load_config("tiny-mla"), path)
 
 
 def test_logical_axes_table():
-    assert logical_axes("moe/experts/down_proj", 4) == ("layers", "experts", "expert_mlp", "expert_embed")
-    assert logical_axes("embed", 2) == ("vocab", "embed")
-    assert logical_axes("dense/attn/kv_b_proj", 3) == ("layers", "lora", "heads")
-    assert logical_axes("moe/expert_bias", 2) == ("layers", "router_experts")
-    assert logical_axes("something/new", 2) is None
+    assert _axes("moe/experts/down_proj") == ("layers", "experts", "expert_mlp", "expert_embed")
+    assert _axes("embed") == ("vocab", "embed")
+    assert _axes("dense/attn/kv_b_proj") == ("layers", "lora", "heads")
+    assert _axes("moe/expert_bias") == ("layers", "router_experts")
+    assert _axes("something/new") is None
+    q_proj = logical_axes(load_config("tiny"), "moe/attn/q_proj")
     sizes = {"replica": 2, "fsdp": 2, "expert": 2, "tensor": 1}
-    assert spec_for("moe/experts/gate_proj", (2, 8, 64, 64), sizes) == P(None, "expert", "fsdp", None)
-    assert spec_for("moe/attn/q_proj", (2, 64, 64), sizes) == P(None, ("fsdp", "expert"), None)
+    assert spec_for("moe/experts/gate_proj", (2, 8, 64, 64), _axes("moe/experts/gate_proj"), sizes) == P(
+        None, "expert", "fsdp", None)
+    assert spec_for("moe/attn/q_proj", (2, 64, 64), q_proj, sizes) == P(None, ("fsdp", "expert"), None)
     # FSDP fallback: d=6 does not divide by 4 -> the other dim (64) takes fsdp*expert
-    assert spec_for("moe/attn/o_proj", (2, 64, 6), sizes) == P(None, ("fsdp", "expert"), None)
-    assert spec_for("final_norm", (64,), sizes) == P(None)
+    assert spec_for("moe/attn/o_proj", (2, 64, 6), _axes("moe/attn/o_proj"), sizes) == P(
+        None, ("fsdp", "expert"), None)
+    assert spec_for("final_norm", (64,), _axes("final_norm"), sizes) == P(None)
 
 
 def test_europa_seed_layout_is_expressible():
@@ -106,7 +115,7 @@ def test_europa_seed_layout_is_expressible():
     sizes = resolve_mesh_shape(parse_mesh("replica=4,expert=384"), 1536)
     params, buffers = jax.eval_shape(lambda: init_params(cfg, 0))
     rep: list = []
-    specs = param_specs(params, sizes, rep)
+    specs = param_specs(params, declared_axes_flat(cfg), sizes, rep)
     flat_p = jax.tree_util.tree_leaves_with_path(params)
     flat_s = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
     total = per_dev = 0
@@ -172,7 +181,7 @@ def _close_tree(a, b, rtol=1e-5, atol=1e-7):
 
 
 def _grad_fn(cfg, dispatch):
-    from jaxmoe.losses import model_loss
+    from jaxmoe.objective import model_loss
 
     def f(params, buffers, batch):
         total, (metrics, aux) = model_loss(cfg, params, buffers, batch, dispatch=dispatch)
@@ -198,12 +207,12 @@ def _reference(preset):
 
 
 def _train_steps(cfg, ctx, n=5):
-    from jaxmoe.model.transformer import init_params
+    from jaxmoe.model.transformer import declared_groups, init_params
     from jaxmoe.optim import build_optimizer
     from jaxmoe.train import init_state, make_train_step
 
     params, buffers = init_params(cfg, 0)
-    tx = build_optimizer(cfg.train, params)
+    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
     state = init_state(cfg, tx, params, buffers)
     if ctx is not None:
         state = ctx.place_state(state)
@@ -252,7 +261,8 @@ def test_loss_and_every_gradient_match_single_device(preset, mesh_spec, kind, ch
     buffers = ctx.place_params(ref["buffers"])
     batch = ctx.place_batch(_batch(cfg))
     assert params["moe"]["experts"]["gate_proj"].sharding.spec == spec_for(
-        "moe/experts/gate_proj", params["moe"]["experts"]["gate_proj"].shape, ctx.sizes
+        "moe/experts/gate_proj", params["moe"]["experts"]["gate_proj"].shape,
+        logical_axes(cfg, "moe/experts/gate_proj"), ctx.sizes
     )
     (loss, (ce, counts)), grads = _grad_fn(cfg, ctx.dispatch)(params, buffers, batch)
     _close_tree(loss, ref["loss"])
@@ -291,7 +301,7 @@ def test_five_training_steps_match_single_device(preset, mesh_spec, kind, chunks
 def test_state_restore_targets_and_optimizer_specs(optimizer):
     """place_state on ShapeDtypeStructs returns restore targets carrying shardings, and
     optimizer moments are sharded like their parameters."""
-    from jaxmoe.model.transformer import init_params
+    from jaxmoe.model.transformer import declared_groups, init_params
     from jaxmoe.optim import build_optimizer
     from jaxmoe.train import init_state
 
@@ -299,7 +309,7 @@ def test_state_restore_targets_and_optimizer_specs(optimizer):
     cfg = cfg.replace(train=dataclasses.replace(cfg.train, optimizer=optimizer))
     cfg, ctx = build_context(cfg, parse_mesh("expert=4,fsdp=2"))
     params, buffers = jax.eval_shape(lambda: init_params(cfg, 0))
-    tx = build_optimizer(cfg.train, params)
+    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
     abstract = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
     target = ctx.place_state(abstract)
     leaf = target["params"]["moe"]["experts"]["up_proj"]

@@ -1,7 +1,8 @@
 """MoE block of the PyTorch reference: router -> experts (per-expert loop) -> combine (+ shared).
 
-HF names: the block is ``mlp`` (``block_sparse_moe`` for Mixtral, chosen by the caller) and holds
-``gate`` (the router), ``experts.{e}.*`` and, for DeepSeek-V3, ``shared_experts.*``.
+HF names (from the architecture record, :mod:`jaxmoe.archs`): the block (``mlp``, Mixtral
+``block_sparse_moe``, chosen by the caller) holds ``gate`` (the router), ``experts.{e}.*`` and
+``shared_experts.*``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jaxmoe.archs import get_arch
 from jaxmoe.config import Config
 from torch_ref.experts import Experts
 from torch_ref.layers import SwiGLU
@@ -21,9 +23,9 @@ class MoEBlock(nn.Module):
         super().__init__()
         m, e = cfg.model, cfg.moe
         self.e = e
-        self.gate = Router(m.d_model, e, with_bias_buffer=m.hf_arch == "deepseek_v3")
-        names = ("w1", "w3", "w2") if m.hf_arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        self.experts = Experts(m.d_model, e, names)
+        arch = get_arch(m.hf_arch)  # HF names: the architecture record (jaxmoe.archs)
+        self.gate = Router(m.d_model, e, with_bias_buffer=arch.bias_tensor)
+        self.experts = Experts(m.d_model, e, arch.expert_projections)
         if e.n_shared_experts > 0:
             self.shared_experts = SwiGLU(m.d_model, e.n_shared_experts * e.expert_ffn_dim)
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jaxmoe.archs import get_arch
 from jaxmoe.config import Config
 from torch_ref.attention import make_attention
 from torch_ref.layers import DTYPES, Linear, RMSNorm, SwiGLU, rope_tables
@@ -26,7 +27,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         m = cfg.model
         self.is_moe = index >= m.first_k_dense
-        self.ffn_name = "block_sparse_moe" if m.hf_arch == "mixtral" else "mlp"
+        # the HF module name of a MoE layer's FFN in the hub (per-expert) layout
+        self.ffn_name = get_arch(m.hf_arch).moe_module["per-expert"] if self.is_moe else "mlp"
         self.self_attn = make_attention(m)
         self.input_layernorm = RMSNorm(m.d_model, m.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(m.d_model, m.rms_norm_eps)

@@ -1,20 +1,22 @@
-"""Causal self-attention: GQA (optional Qwen3 QK-norm) and MLA (DeepSeek-V3).
+"""Causal self-attention modules: GQA (optional Qwen3 QK-norm) and MLA (DeepSeek-V3).
 
-Both are pure functions ``attn(p, x, cos, sin, m) -> [B, S, D]`` of one layer's parameter dict
-``p`` (the ``attn/`` sub-dict of docs/LAYOUT.md, without the layer axis). Scores and softmax are
-computed in fp32; the value matmul runs in the compute dtype with fp32 accumulation.
+Both are NNX modules ``attn(x, cos, sin) -> [B, S, D]`` whose weights are the ``attn/`` sub-tree of
+docs/LAYOUT.md. Scores and softmax are computed in fp32; the value matmul runs in the compute
+dtype with fp32 accumulation.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.model.layers import apply_rope, linear, rms_norm, yarn_softmax_mscale
+from jaxmoe.model.layers import apply_rope, yarn_softmax_mscale
+from jaxmoe.model.params import Linear, RMSNorm, builds, normal, ones, stack_axes
 
 
-def _causal_softmax_attend(q, k, v, scale):
+def causal_softmax_attend(q, k, v, scale):
     """q ``[B,S,KV,G,d]``, k ``[B,S,KV,d]``, v ``[B,S,KV,dv]`` -> ``[B,S,KV,G,dv]`` (q.dtype)."""
     s_len = q.shape[1]
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * scale
@@ -25,92 +27,105 @@ def _causal_softmax_attend(q, k, v, scale):
     return out.astype(q.dtype)
 
 
-def gqa_attention(p: dict, x: jax.Array, cos, sin, m: ModelConfig) -> jax.Array:
-    """Grouped-query attention. ``p``: q_proj, k_proj, v_proj, o_proj (+ q_norm, k_norm when
-    ``m.qk_norm``: per-head RMSNorm applied before RoPE, as Qwen3). Softmax scale ``hd^-0.5``."""
-    b, s, _ = x.shape
-    h, kv, hd = m.n_heads, m.n_kv_heads, m.head_dim
-    q = linear(x, p["q_proj"]).reshape(b, s, h, hd)
-    k = linear(x, p["k_proj"]).reshape(b, s, kv, hd)
-    v = linear(x, p["v_proj"]).reshape(b, s, kv, hd)
-    if m.qk_norm:
-        q = rms_norm(q, p["q_norm"], m.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], m.rms_norm_eps)
-    q = apply_rope(q, cos, sin, m.rope_layout)
-    k = apply_rope(k, cos, sin, m.rope_layout)
-    q = q.reshape(b, s, kv, h // kv, hd)
-    out = _causal_softmax_attend(q, k, v, hd**-0.5)
-    return linear(out.reshape(b, s, h * hd), p["o_proj"])
+class GQAttention(nnx.Module):
+    """Grouped-query attention: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (+ ``q_norm``,
+    ``k_norm`` when ``qk_norm``: per-head RMSNorm applied before RoPE, as Qwen3). Softmax scale
+    ``hd^-0.5``."""
+
+    @builds
+    def __init__(self, m: ModelConfig, *, stack: tuple = (), rngs: nnx.Rngs):
+        d, h, kv, hd, std = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.init_std
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
+        self.rope_layout = m.rope_layout
+        ax = lambda *a: stack_axes(stack, a)  # noqa: E731
+        self.q_proj = Linear.declare(stack + (d, h * hd), ax("embed", "heads"), normal(std))
+        self.k_proj = Linear.declare(stack + (d, kv * hd), ax("embed", "heads"), normal(std))
+        self.v_proj = Linear.declare(stack + (d, kv * hd), ax("embed", "heads"), normal(std))
+        self.o_proj = Linear.declare(stack + (h * hd, d), ax("heads", "embed"), normal(std))
+        self.qk_norm = m.qk_norm
+        if m.qk_norm:
+            self.q_norm = RMSNorm.declare(stack + (hd,), ax("norm"), ones(), eps=m.rms_norm_eps)
+            self.k_norm = RMSNorm.declare(stack + (hd,), ax("norm"), ones(), eps=m.rms_norm_eps)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        b, s, _ = x.shape
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, s, h, hd)
+        k = self.k_proj(x).reshape(b, s, kv, hd)
+        v = self.v_proj(x).reshape(b, s, kv, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin, self.rope_layout)
+        k = apply_rope(k, cos, sin, self.rope_layout)
+        out = causal_softmax_attend(q.reshape(b, s, kv, h // kv, hd), k, v, hd**-0.5)
+        return self.o_proj(out.reshape(b, s, h * hd))
 
 
-def mla_attention(p: dict, x: jax.Array, cos, sin, m: ModelConfig) -> jax.Array:
+class MLAttention(nnx.Module):
     """Multi-head latent attention, as HF ``DeepseekV3Attention``.
 
-    q: ``q_proj`` (``q_lora_rank == 0``) or ``q_b_proj(rms_norm(q_a_proj(x)))``, per head
+    q: ``q_proj`` (``q_lora_rank == 0``) or ``q_b_proj(q_a_norm(q_a_proj(x)))``, per head
     ``[nope, rope]``. ``kv_a_proj(x)`` -> ``[compressed kv (kv_lora), k_rope (rope)]``; the
     compressed part is RMS-normed and expanded by ``kv_b_proj`` into per-head ``[k_nope, v]``;
     ``k_rope`` is one head shared by all heads. RoPE touches only the rope parts. Softmax scale
     ``qh^-0.5 * yarn_mscale^2``.
 
     Note: HF builds ``q_a_layernorm``/``kv_a_layernorm`` with its default eps (1e-6) rather than
-    ``rms_norm_eps``; we use ``rms_norm_eps`` (DESIGN: eps is a config field). They agree for every
-    DeepSeek-V3/K2 checkpoint, whose ``rms_norm_eps`` is 1e-6.
+    ``rms_norm_eps``; we use ``rms_norm_eps``. They agree for every DeepSeek-V3/K2 checkpoint,
+    whose ``rms_norm_eps`` is 1e-6.
     """
-    b, s, _ = x.shape
-    h = m.n_heads
-    nope, rope, vd = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    qh = nope + rope
-    if m.q_lora_rank > 0:
-        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], m.rms_norm_eps), p["q_b_proj"])
-    else:
-        q = linear(x, p["q_proj"])
-    q = q.reshape(b, s, h, qh)
-    q_nope, q_rope = q[..., :nope], q[..., nope:]
-    kv_a = linear(x, p["kv_a_proj"])
-    ckv = rms_norm(kv_a[..., : m.kv_lora_rank], p["kv_a_norm"], m.rms_norm_eps)
-    k_rope = kv_a[..., m.kv_lora_rank :].reshape(b, s, 1, rope)
-    kv = linear(ckv, p["kv_b_proj"]).reshape(b, s, h, nope + vd)
-    k_nope, v = kv[..., :nope], kv[..., nope:]
-    q_rope = apply_rope(q_rope, cos, sin, m.rope_layout)
-    k_rope = apply_rope(k_rope, cos, sin, m.rope_layout)
-    q_full = jnp.concatenate([q_nope, q_rope], axis=-1)
-    k_full = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, rope))], axis=-1)
-    scale = qh**-0.5 * yarn_softmax_mscale(m)
-    out = _causal_softmax_attend(q_full[:, :, :, None, :], k_full, v, scale)
-    return linear(out.reshape(b, s, h * vd), p["o_proj"])
+
+    @builds
+    def __init__(self, m: ModelConfig, *, stack: tuple = (), rngs: nnx.Rngs):
+        d, h, std = m.d_model, m.n_heads, m.init_std
+        self.n_heads, self.rope_layout = h, m.rope_layout
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.kv_lora_rank, self.q_lora_rank = m.kv_lora_rank, m.q_lora_rank
+        qh = self.nope + self.rope
+        self.scale = qh**-0.5 * yarn_softmax_mscale(m)
+        ax = lambda *a: stack_axes(stack, a)  # noqa: E731
+        eps = m.rms_norm_eps
+        if m.q_lora_rank > 0:
+            r = m.q_lora_rank
+            self.q_a_proj = Linear.declare(stack + (d, r), ax("embed", "lora"), normal(std))
+            self.q_a_norm = RMSNorm.declare(stack + (r,), ax("norm"), ones(), eps=eps)
+            self.q_b_proj = Linear.declare(stack + (r, h * qh), ax("lora", "heads"), normal(std))
+        else:
+            self.q_proj = Linear.declare(stack + (d, h * qh), ax("embed", "heads"), normal(std))
+        c = m.kv_lora_rank
+        self.kv_a_proj = Linear.declare(stack + (d, c + self.rope), ax("embed", "lora"), normal(std))
+        self.kv_a_norm = RMSNorm.declare(stack + (c,), ax("norm"), ones(), eps=eps)
+        self.kv_b_proj = Linear.declare(stack + (c, h * (self.nope + self.v_dim)), ax("lora", "heads"),
+                                        normal(std))
+        self.o_proj = Linear.declare(stack + (h * self.v_dim, d), ax("heads", "embed"), normal(std))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        b, s, _ = x.shape
+        h, nope, rope, vd = self.n_heads, self.nope, self.rope, self.v_dim
+        if self.q_lora_rank > 0:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.reshape(b, s, h, nope + rope)
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        kv_a = self.kv_a_proj(x)
+        ckv = self.kv_a_norm(kv_a[..., : self.kv_lora_rank])
+        k_rope = kv_a[..., self.kv_lora_rank :].reshape(b, s, 1, rope)
+        kv = self.kv_b_proj(ckv).reshape(b, s, h, nope + vd)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        q_rope = apply_rope(q_rope, cos, sin, self.rope_layout)
+        k_rope = apply_rope(k_rope, cos, sin, self.rope_layout)
+        q_full = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k_full = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, rope))], axis=-1)
+        out = causal_softmax_attend(q_full[:, :, :, None, :], k_full, v, self.scale)
+        return self.o_proj(out.reshape(b, s, h * vd))
 
 
-def attention(p: dict, x: jax.Array, cos, sin, m: ModelConfig) -> jax.Array:
-    """Dispatch on ``m.attention`` ("gqa" | "mla")."""
-    if m.attention == "mla":
-        return mla_attention(p, x, cos, sin, m)
-    return gqa_attention(p, x, cos, sin, m)
+ATTENTION = {"gqa": GQAttention, "mla": MLAttention}  # model.attention -> module
 
 
-def attention_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Per-layer parameter shapes of the attention sub-dict (docs/LAYOUT.md); norms end in ``_norm``."""
-    d, h = m.d_model, m.n_heads
-    if m.attention == "gqa":
-        shapes = {
-            "q_proj": (d, h * m.head_dim),
-            "k_proj": (d, m.n_kv_heads * m.head_dim),
-            "v_proj": (d, m.n_kv_heads * m.head_dim),
-            "o_proj": (h * m.head_dim, d),
-        }
-        if m.qk_norm:
-            shapes["q_norm"] = (m.head_dim,)
-            shapes["k_norm"] = (m.head_dim,)
-        return shapes
-    qh = m.qk_nope_head_dim + m.qk_rope_head_dim
-    shapes = {}
-    if m.q_lora_rank > 0:
-        shapes["q_a_proj"] = (d, m.q_lora_rank)
-        shapes["q_a_norm"] = (m.q_lora_rank,)
-        shapes["q_b_proj"] = (m.q_lora_rank, h * qh)
-    else:
-        shapes["q_proj"] = (d, h * qh)
-    shapes["kv_a_proj"] = (d, m.kv_lora_rank + m.qk_rope_head_dim)
-    shapes["kv_a_norm"] = (m.kv_lora_rank,)
-    shapes["kv_b_proj"] = (m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim))
-    shapes["o_proj"] = (h * m.v_head_dim, d)
-    return shapes
+def make_attention(m: ModelConfig, *, stack: tuple = (), rngs: nnx.Rngs) -> nnx.Module:
+    return ATTENTION[m.attention](m, stack=stack, rngs=rngs)
+
+
+__all__ = ["ATTENTION", "GQAttention", "MLAttention", "causal_softmax_attend", "make_attention"]

@@ -1,7 +1,8 @@
-"""Small building blocks shared by every block: RMSNorm, RoPE (half / interleaved, YaRN), SwiGLU.
+"""The numerical building blocks every module uses: RMSNorm, linear, SwiGLU, RoPE (half /
+interleaved, YaRN).
 
-Everything here is a pure function of arrays (parameters are passed in explicitly), so that the
-same code runs inside ``jax.lax.scan`` over stacked layer parameters.
+Everything here is a pure function of arrays (parameters are passed in explicitly); the modules
+(:mod:`jaxmoe.model.params`, ``attention``, ``mlp``, ...) call them.
 
 Precision rules (DESIGN "Numerics contract"):
 

@@ -1,8 +1,11 @@
 """The MoE feed-forward block: router -> experts (dispatch + compute + combine) -> + shared experts.
 
-``moe_ffn(p, x, bias, cfg, ...)`` works on one layer's parameter dict ``p`` (the ``moe/`` sub-dict of
-docs/LAYOUT.md for a single layer: ``router``, ``experts``, optionally ``shared``) and returns the
-FFN output plus the routing record used for losses, metrics and parity.
+:class:`MoEBlock` holds ``router [D, E]`` (:class:`~jaxmoe.model.router.Router`), ``experts``
+(:class:`~jaxmoe.model.experts.Experts`), optionally ``shared`` (one fused SwiGLU of width
+``n_shared_experts * expert_ffn_dim``) and, with ``use_expert_bias``, the non-trained
+``expert_bias [E]``. Called on ``x [B, S, D]`` it returns the FFN output and the layer's routing
+record (router logits/scores/indices/weights, counts, dropped) from which losses, metrics and
+parity are computed outside the model.
 """
 
 from __future__ import annotations
@@ -10,35 +13,51 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
+from flax import nnx
 
 from jaxmoe.config import Config
-from jaxmoe.model.experts import expert_ffn
-from jaxmoe.model.layers import swiglu
-from jaxmoe.model.router import RouterOut, route
+from jaxmoe.model.experts import Experts
+from jaxmoe.model.mlp import SwiGLU
+from jaxmoe.model.params import ExpertBias, builds, normal, stack_axes, zeros
+from jaxmoe.model.router import Router
 
 
-def moe_ffn(
-    p: dict,
-    x: jax.Array,
-    bias: jax.Array | None,
-    cfg: Config,
-    *,
-    forced_idx: jax.Array | None = None,
-    dispatch: Callable | None = None,
-) -> tuple[jax.Array, RouterOut, dict]:
-    """MoE FFN of ``x [B, S, D]`` (compute dtype) -> ``(y [B, S, D], RouterOut, stats)``.
+class MoEBlock(nnx.Module):
+    """Router, routed experts, shared experts (see the module doc)."""
 
-    Tokens are flattened row-major to ``T = B*S``. The router runs in fp32; ``dispatch`` (default
-    :func:`jaxmoe.model.experts.expert_ffn`) moves tokens to experts, runs them and combines in
-    fp32. Shared experts (one fused SwiGLU) see every token and are added to the routed output.
-    """
-    b, s, d = x.shape
-    xt = x.reshape(b * s, d)
-    r = route(xt, p["router"], bias, cfg.moe, forced_idx)
-    ffn = dispatch if dispatch is not None else expert_ffn
-    y, stats = ffn(xt, r.topk_idx, r.topk_weights, p["experts"], cfg.moe)
-    if "shared" in p:
-        sh = p["shared"]
-        y = y + swiglu(xt, sh["gate_proj"], sh["up_proj"], sh["down_proj"])
-    return y.reshape(b, s, d), r, stats
+    @builds
+    def __init__(self, cfg: Config, *, stack: tuple = (), rngs: nnx.Rngs):
+        m, e = cfg.model, cfg.moe
+        self.moe_cfg = e
+        self.router = Router.declare(stack + (m.d_model, e.n_experts),
+                                     stack_axes(stack, ("embed", "router_experts")),
+                                     normal(e.router_init_std))
+        self.experts = Experts(m, e, stack=stack, rngs=rngs)
+        if e.n_shared_experts > 0:
+            self.shared = SwiGLU(m.d_model, e.n_shared_experts * e.expert_ffn_dim, m.init_std,
+                                 stack=stack, rngs=rngs)
+        if e.use_expert_bias:
+            self.expert_bias = ExpertBias.declare(stack + (e.n_experts,),
+                                                  stack_axes(stack, ("router_experts",)), zeros())
+
+    def __call__(self, x: jax.Array, *, forced_idx: jax.Array | None = None,
+                 dispatch: Callable | None = None) -> tuple[jax.Array, dict]:
+        """``x [B, S, D]`` (compute dtype) -> ``(y [B, S, D], routing)``.
+
+        Tokens are flattened row-major to ``T = B*S``. ``routing``: ``logits``, ``scores [T, E]``,
+        ``topk_idx``, ``topk_weights [T, k]``, ``counts [E]``, ``dropped`` (scalar).
+        ``forced_idx [T, k]`` replays a routing; ``dispatch`` replaces the single-device
+        :func:`~jaxmoe.model.experts.expert_ffn` (expert-parallel dispatchers).
+        """
+        b, s, d = x.shape
+        xt = x.reshape(b * s, d)
+        bias = self.expert_bias.get_value() if self.moe_cfg.use_expert_bias else None
+        r = self.router(xt, bias, self.moe_cfg, forced_idx)
+        y, stats = self.experts(xt, r.topk_idx, r.topk_weights, self.moe_cfg, dispatch)
+        if self.moe_cfg.n_shared_experts > 0:
+            y = y + self.shared(xt)
+        routing = {**r._asdict(), "counts": stats["counts"], "dropped": stats["dropped"]}
+        return y.reshape(b, s, d), routing
+
+
+__all__ = ["MoEBlock"]

@@ -13,6 +13,9 @@ Semantics (docs/LAYOUT.md "Routing semantics"):
   lower-index element appears first" (tests/test_router.py checks it), for experts and groups.
 * ``forced_idx`` (parity replay) replaces the selected indices; weights come from the scores at
   those indices exactly as above.
+
+The math is the pure function :func:`route`; :class:`Router` is the router weight ``[D, E]``
+(path ``moe/router``) as a declared parameter that routes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.model.params import Weight
 
 
 class RouterOut(NamedTuple):
@@ -84,3 +88,13 @@ def route(
         idx = forced_idx.astype(jnp.int32)
     weights = gate_weights(scores, idx, c)
     return RouterOut(logits, scores, idx, weights)
+
+
+class Router(Weight):
+    """The router weight ``[D, E]`` (HF ``gate.weight`` is ``[E, D]``); Muon treats it as a
+    matrix. ``router(x, bias, moe_cfg, forced_idx)`` is :func:`route` with this weight."""
+
+    hf_transpose = True
+
+    def __call__(self, x, bias, moe_cfg: MoEConfig, forced_idx=None) -> RouterOut:
+        return route(x, self.get_value(), bias, moe_cfg, forced_idx)

@@ -1,23 +1,32 @@
-"""The whole model: embedding -> dense blocks -> MoE blocks -> final norm -> LM head.
+"""The whole model: embedding -> dense layers -> MoE layers -> final norm -> LM head.
 
-The functional API works on nested dicts of arrays laid out exactly as docs/LAYOUT.md:
+:class:`Transformer` is a Flax NNX module. Its state is the canonical layout of docs/LAYOUT.md
+(``embed``, ``dense/...``, ``moe/...``, ``final_norm``, ``lm_head``; the ``expert_bias``
+buffers apart), so checkpoints, the HF name mapping and the sharding rules all see the same
+paths. Two ways to use it:
 
-* :func:`init_params` ``(cfg, seed) -> (params, buffers)`` (fp32),
-* :func:`apply_model` ``(cfg, params, buffers, tokens, ...) -> (logits fp32, aux)``,
-* :func:`param_count` (equals ``config.count_params(cfg)["total_params"]``).
+* as a Flax module: ``model = Transformer(cfg, rngs=nnx.Rngs(0)); logits, aux = model(tokens)``,
+  trainable with ``nnx.Optimizer`` / optax (README, tests/test_model.py);
+* functionally, on split state (what the jitted train step does): :func:`init_params`
+  ``(cfg, seed) -> (params, buffers)`` as nested dicts of arrays, and :func:`apply_model`
+  ``(cfg, params, buffers, tokens) -> (logits, aux)``, which merges them into the module.
 
-:class:`Transformer` is a thin Flax NNX module holding the same dicts as ``nnx.Param`` (and an
-``ExpertBias`` variable for the buffers) whose ``__call__`` is ``apply_model``.
+Layer stacks are scanned: the dense layers and the MoE layers are each one layer module declared
+with a leading ``layers`` axis (``stack=(L,)``), run by ``jax.lax.scan`` over its split state
+(inside the scan body the merged layer holds one layer's slices), so compile time does not grow
+with depth. ``cfg.train.remat`` wraps one layer in
+``jax.checkpoint``: ``none``; ``full`` (save nothing, recompute the layer); ``save_dots`` (keep
+matmul outputs); ``offload`` (the named residuals ``attn_out``/``ffn_out`` go to ``pinned_host``).
 
-Layer stacks are scanned: one ``jax.lax.scan`` over the ``dense/`` stack (leading axis
-``first_k_dense``) and one over the ``moe/`` stack (leading axis ``n_layers - first_k_dense``), so
-compile time does not grow with depth. ``cfg.train.remat`` wraps one block in ``jax.checkpoint``:
-``none``; ``full`` (save nothing, recompute the block); ``save_dots`` (keep matmul outputs);
-``offload`` (the named residuals ``attn_out``/``ffn_out`` are offloaded to ``pinned_host``).
+``aux`` is the routing record per MoE layer (stacked ``[Lm, ...]``): ``router`` (``logits``,
+``scores [Lm, T, E]``, ``topk_idx``, ``topk_weights [Lm, T, k]``), ``counts [Lm, E]``,
+``dropped [Lm]``, and with ``return_probes`` the ``probes`` of every stage in forward order.
+Losses are computed from it outside the model (:mod:`jaxmoe.losses`).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable
 
@@ -27,105 +36,72 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import Config
-from jaxmoe.losses import router_losses
-from jaxmoe.model.attention import attention, attention_shapes
-from jaxmoe.model.layers import rms_norm, rope_tables, swiglu
-from jaxmoe.model.moe import moe_ffn
+from jaxmoe.model.attention import make_attention
+from jaxmoe.model.layers import rope_tables
+from jaxmoe.model.mlp import SwiGLU
+from jaxmoe.model.moe import MoEBlock
+from jaxmoe.model.params import (Buffer, Decl, Embedding, Linear, RMSNorm, builds, declarations, normal,
+                                 ones, stack_axes)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameters
+# Layers
 # ---------------------------------------------------------------------------------------------
 
 
-def param_shapes(cfg: Config) -> dict:
-    """Nested dict of parameter shapes (docs/LAYOUT.md), layer axes included."""
-    m, e = cfg.model, cfg.moe
-    d = m.d_model
-    ld, lm = m.first_k_dense, m.n_moe_layers
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(attn_norm(x))``, then ``x + ffn(ffn_norm(x))``."""
 
-    def stack(n, shapes):
-        if isinstance(shapes, dict):
-            return {k: stack(n, v) for k, v in shapes.items()}
-        return (n, *shapes)
+    def _init_attention(self, cfg: Config, stack: tuple, rngs: nnx.Rngs) -> None:
+        m = cfg.model
+        norm = stack_axes(stack, ("norm",))
+        self.attn_norm = RMSNorm.declare(stack + (m.d_model,), norm, ones(), eps=m.rms_norm_eps)
+        self.attn = make_attention(m, stack=stack, rngs=rngs)
+        self.ffn_norm = RMSNorm.declare(stack + (m.d_model,), norm, ones(), eps=m.rms_norm_eps)
 
-    def block(n):
-        return {"attn_norm": (n, d), "ffn_norm": (n, d), "attn": stack(n, attention_shapes(m))}
+    def ffn(self, h, *, forced_idx=None, dispatch=None):
+        raise NotImplementedError
 
-    out: dict = {"embed": (m.vocab_size, d)}
-    if ld > 0:
-        out["dense"] = block(ld)
-        f = m.dense_ffn_dim
-        out["dense"]["mlp"] = {"gate_proj": (ld, d, f), "up_proj": (ld, d, f), "down_proj": (ld, f, d)}
-    if lm > 0:
-        out["moe"] = block(lm)
-        i, ne = e.expert_ffn_dim, e.n_experts
-        out["moe"]["router"] = (lm, d, ne)
-        out["moe"]["experts"] = {
-            "gate_proj": (lm, ne, d, i),
-            "up_proj": (lm, ne, d, i),
-            "down_proj": (lm, ne, i, d),
-        }
-        if e.n_shared_experts > 0:
-            sdim = e.n_shared_experts * i
-            out["moe"]["shared"] = {
-                "gate_proj": (lm, d, sdim),
-                "up_proj": (lm, d, sdim),
-                "down_proj": (lm, sdim, d),
-            }
-    out["final_norm"] = (d,)
-    if not m.tie_embeddings:
-        out["lm_head"] = (d, m.vocab_size)
-    return out
+    def __call__(self, x, cos, sin, *, forced_idx=None, dispatch=None):
+        """-> ``(x, attn_out, ffn_out, routing or None)``."""
+        a = checkpoint_name(self.attn(self.attn_norm(x), cos, sin), "attn_out")
+        x = x + a
+        f, routing = self.ffn(self.ffn_norm(x), forced_idx=forced_idx, dispatch=dispatch)
+        f = checkpoint_name(f, "ffn_out")
+        return x + f, a, f, routing
 
 
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple)
+class DenseLayer(DecoderLayer):
+    """A decoder layer with a dense SwiGLU FFN (``mlp``): the first ``first_k_dense`` layers."""
+
+    @builds
+    def __init__(self, cfg: Config, *, stack: tuple = (), rngs: nnx.Rngs):
+        self._init_attention(cfg, stack, rngs)
+        m = cfg.model
+        self.mlp = SwiGLU(m.d_model, m.dense_ffn_dim, m.init_std, stack=stack, rngs=rngs)
+
+    def ffn(self, h, *, forced_idx=None, dispatch=None):
+        return self.mlp(h), None
 
 
-def init_params(cfg: Config, seed: int) -> tuple[dict, dict]:
-    """Random fp32 parameters and zero buffers.
+class MoELayer(DecoderLayer, MoEBlock):
+    """A decoder layer whose FFN is the MoE block. It extends :class:`MoEBlock`, so the block's
+    weights sit at the layer's level (``moe/router``, ``moe/experts/*``, ``moe/shared/*``), as
+    in the canonical layout."""
 
-    Norm weights (keys ending in ``norm``) are ones; the router ~ N(0, router_init_std); every other
-    weight ~ N(0, init_std). Each leaf's key is ``fold_in(key(seed), i)`` with ``i`` its index in the
-    sorted ``/``-joined paths, so values do not depend on dict insertion order.
-    """
-    shapes = param_shapes(cfg)
-    flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)[0]
-    names = sorted("/".join(str(p.key) for p in path) for path, _ in flat)
-    index = {n: i for i, n in enumerate(names)}
-    root = jax.random.key(seed)
+    @builds
+    def __init__(self, cfg: Config, *, stack: tuple = (), rngs: nnx.Rngs):
+        self._init_attention(cfg, stack, rngs)
+        MoEBlock.__init__(self, cfg, stack=stack, rngs=rngs)
 
-    def make(path, shape):
-        name = "/".join(str(p.key) for p in path)
-        leaf = name.rsplit("/", 1)[-1]
-        if leaf.endswith("norm"):
-            return jnp.ones(shape, jnp.float32)
-        std = cfg.moe.router_init_std if leaf == "router" else cfg.model.init_std
-        key = jax.random.fold_in(root, index[name])
-        return jax.random.normal(key, shape, jnp.float32) * std
-
-    params = jax.tree_util.tree_map_with_path(make, shapes, is_leaf=_is_shape)
-    buffers: dict = {}
-    if cfg.moe.use_expert_bias and cfg.model.n_moe_layers > 0:
-        buffers = {"moe": {"expert_bias": jnp.zeros((cfg.model.n_moe_layers, cfg.moe.n_experts), jnp.float32)}}
-    return params, buffers
-
-
-def param_count(params) -> int:
-    """Total number of scalars in ``params``."""
-    return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Forward
-# ---------------------------------------------------------------------------------------------
+    def ffn(self, h, *, forced_idx=None, dispatch=None):
+        return MoEBlock.__call__(self, h, forced_idx=forced_idx, dispatch=dispatch)
 
 
 def _remat(fn: Callable, mode: str) -> Callable:
-    """Wrap one block's function in ``jax.checkpoint`` according to ``cfg.train.remat``."""
+    """Wrap one layer's function in ``jax.checkpoint`` according to ``cfg.train.remat``."""
     if mode == "none":
         return fn
     if mode == "full":
@@ -143,144 +119,250 @@ def _remat(fn: Callable, mode: str) -> Callable:
     raise ValueError(f"unknown train.remat {mode!r}")
 
 
-def apply_model(
-    cfg: Config,
-    params: dict,
-    buffers: dict,
-    tokens: jax.Array,
-    *,
-    forced_idx: jax.Array | None = None,
-    return_probes: bool = False,
-    dispatch: Callable | None = None,
-):
-    """Forward pass. ``tokens [B, S]`` int32 -> ``(logits [B, S, V] fp32, aux)``.
+def _scan_layers(layers: nnx.Module, x, xs_extra, body_kw, mode, return_probes, cos, sin):
+    """Run a stacked layer module over ``x`` with ``jax.lax.scan`` over its split state."""
+    graphdef, state = nnx.split(layers)
 
-    ``forced_idx [Lm, B*S, k]`` replays a routing (parity); ``dispatch`` replaces
-    :func:`jaxmoe.model.experts.expert_ffn` (expert-parallel dispatchers). ``aux`` holds
-    ``router`` (logits, scores, topk_idx, topk_weights, each ``[Lm, T, ...]``), ``counts [Lm, E]``,
-    ``dropped [Lm]``, ``losses`` (lb, seq_aux, router_z summed over MoE layers, unweighted) and,
-    with ``return_probes``, ``probes`` (see docs and the contract in the model issue).
-    """
-    m, e = cfg.model, cfg.moe
-    dtype = DTYPES[cfg.train.dtype]
-    b, s = tokens.shape
-    t = b * s
-    eps = m.rms_norm_eps
-    cos, sin = rope_tables(m, s)
-
-    x = params["embed"][tokens].astype(dtype)
-    probes: dict = {"embedding": x} if return_probes else {}
-
-    def attn_part(lp, x):
-        a = attention(lp["attn"], rms_norm(x, lp["attn_norm"], eps), cos, sin, m)
-        a = checkpoint_name(a, "attn_out")
-        return a
-
-    def dense_body(x, lp):
-        a = attn_part(lp, x)
-        x = x + a
-        mlp = lp["mlp"]
-        f = swiglu(rms_norm(x, lp["ffn_norm"], eps), mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
-        f = checkpoint_name(f, "ffn_out")
-        return x + f, ((a, f) if return_probes else None)
-
-    def moe_body(x, xs):
-        lp, bias, forced = xs
-        a = attn_part(lp, x)
-        x = x + a
-        f, r, stats = moe_ffn(
-            lp, rms_norm(x, lp["ffn_norm"], eps), bias, cfg, forced_idx=forced, dispatch=dispatch
-        )
-        f = checkpoint_name(f, "ffn_out")
-        out = {"router": r._asdict(), "counts": stats["counts"], "dropped": stats["dropped"]}
+    def body(x, xs):
+        layer_state, forced = xs
+        layer = nnx.merge(graphdef, layer_state)
+        x, a, f, routing = layer(x, cos, sin, forced_idx=forced, **body_kw)
+        out = {}
+        if routing is not None:
+            out["routing"] = routing
         if return_probes:
-            out["attn_out"] = a
-            out["moe_out"] = f
-        return x + f, out
+            out["attn_out"], out["ffn_out"] = a, f
+        return x, out
 
-    attn_outs = []
-    if "dense" in params:
-        x, ys = jax.lax.scan(_remat(dense_body, cfg.train.remat), x, params["dense"])
-        if return_probes:
-            attn_outs.append(ys[0])
-            probes["ffn_out"] = ys[1]
-    if "moe" in params:
-        bias = buffers.get("moe", {}).get("expert_bias") if e.use_expert_bias else None
-        x, ys = jax.lax.scan(
-            _remat(moe_body, cfg.train.remat), x, (params["moe"], bias, forced_idx)
-        )
-        router = ys["router"]
-        counts, dropped = ys["counts"], ys["dropped"]
-        if return_probes:
-            attn_outs.append(ys["attn_out"])
-            probes["moe_out"] = ys["moe_out"]
-    else:
-        ne, k = e.n_experts, e.top_k
-        router = {
-            "logits": jnp.zeros((0, t, ne), jnp.float32),
-            "scores": jnp.zeros((0, t, ne), jnp.float32),
-            "topk_idx": jnp.zeros((0, t, k), jnp.int32),
-            "topk_weights": jnp.zeros((0, t, k), jnp.float32),
-        }
-        counts, dropped = jnp.zeros((0, ne), jnp.int32), jnp.zeros((0,), jnp.int32)
-
-    x = rms_norm(x, params["final_norm"], eps)
-    head = params["embed"].T if m.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dtype), preferred_element_type=jnp.float32)
-
-    aux = {
-        "router": router,
-        "counts": counts,
-        "dropped": dropped,
-        "losses": router_losses(cfg, router["logits"], router["scores"], router["topk_idx"], b, s),
-    }
-    if return_probes:
-        probes["attn_out"] = jnp.concatenate(attn_outs, axis=0)
-        probes["router_logits"] = router["logits"]
-        if "moe_out" not in probes:
-            probes["moe_out"] = jnp.zeros((0, b, s, m.d_model), dtype)
-        if "ffn_out" not in probes:
-            probes["ffn_out"] = jnp.zeros((0, b, s, m.d_model), dtype)
-        probes["final_hidden"] = x
-        probes["logits"] = logits
-        aux["probes"] = probes
-    return logits, aux
+    return jax.lax.scan(_remat(body, mode), x, (state, xs_extra))
 
 
 # ---------------------------------------------------------------------------------------------
-# Flax NNX module
+# The model
 # ---------------------------------------------------------------------------------------------
-
-
-class ExpertBias(nnx.Variable):
-    """Non-trained routing bias (``buffers/moe/expert_bias``), updated by the sign rule."""
-
-
-def _is_var(v) -> bool:
-    return isinstance(v, nnx.Variable)
 
 
 class Transformer(nnx.Module):
-    """NNX wrapper: ``self.params`` / ``self.buffers`` hold the LAYOUT dicts as variables.
+    """The MoE language model of ``cfg`` (see the module doc)."""
 
-    ``model(tokens, **kw)`` is ``apply_model(cfg, params, buffers, tokens, **kw)``;
-    ``model.pure()`` returns ``(params, buffers)`` as plain dicts of arrays.
-    """
-
+    @builds
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        m = cfg.model
         self.cfg = cfg
-        seed = int(jax.random.randint(rngs.params(), (), 0, 2**31 - 1))
-        params, buffers = init_params(cfg, seed)
-        self.params = nnx.data(jax.tree.map(nnx.Param, params))
-        self.buffers = nnx.data(jax.tree.map(ExpertBias, buffers))
+        self.embed = Embedding.declare((m.vocab_size, m.d_model), ("vocab", "embed"), normal(m.init_std))
+        if m.first_k_dense > 0:  # layer stacks: one module each, scanned
+            self.dense = DenseLayer(cfg, stack=(m.first_k_dense,), rngs=rngs)
+        if m.n_moe_layers > 0:
+            self.moe = MoELayer(cfg, stack=(m.n_moe_layers,), rngs=rngs)
+        self.final_norm = RMSNorm.declare((m.d_model,), ("norm",), ones(), eps=m.rms_norm_eps)
+        if not m.tie_embeddings:
+            self.lm_head = Linear.declare((m.d_model, m.vocab_size), ("embed", "vocab"),
+                                          normal(m.init_std), group="head")
+
+    def __call__(self, tokens: jax.Array, *, forced_idx: jax.Array | None = None,
+                 return_probes: bool = False, dispatch: Callable | None = None):
+        """``tokens [B, S]`` int32 -> ``(logits [B, S, V] fp32, aux)``.
+
+        ``forced_idx [Lm, B*S, k]`` replays a routing (parity); ``dispatch`` replaces
+        :func:`jaxmoe.model.experts.expert_ffn` (expert-parallel dispatchers).
+        """
+        cfg = self.cfg
+        m, e = cfg.model, cfg.moe
+        dtype = DTYPES[cfg.train.dtype]
+        b, s = tokens.shape
+        t = b * s
+        cos, sin = rope_tables(m, s)
+        x = self.embed(tokens).astype(dtype)
+        probes: dict = {"embedding": x} if return_probes else {}
+        kw = dict(mode=cfg.train.remat, return_probes=return_probes, cos=cos, sin=sin)
+        attn_outs = []
+        if m.first_k_dense > 0:
+            x, ys = _scan_layers(self.dense, x, None, {}, **kw)
+            if return_probes:
+                attn_outs.append(ys["attn_out"])
+                probes["ffn_out"] = ys["ffn_out"]
+        if m.n_moe_layers > 0:
+            x, ys = _scan_layers(self.moe, x, forced_idx, {"dispatch": dispatch}, **kw)
+            routing = ys["routing"]
+            if return_probes:
+                attn_outs.append(ys["attn_out"])
+                probes["moe_out"] = ys["ffn_out"]
+        else:
+            ne, k = e.n_experts, e.top_k
+            routing = {
+                "logits": jnp.zeros((0, t, ne), jnp.float32),
+                "scores": jnp.zeros((0, t, ne), jnp.float32),
+                "topk_idx": jnp.zeros((0, t, k), jnp.int32),
+                "topk_weights": jnp.zeros((0, t, k), jnp.float32),
+                "counts": jnp.zeros((0, ne), jnp.int32),
+                "dropped": jnp.zeros((0,), jnp.int32),
+            }
+        x = self.final_norm(x)
+        if m.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            head = self.lm_head.get_value()
+            logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+        aux = {
+            "router": {k: routing[k] for k in ("logits", "scores", "topk_idx", "topk_weights")},
+            "counts": routing["counts"],
+            "dropped": routing["dropped"],
+        }
+        if return_probes:
+            probes["attn_out"] = jnp.concatenate(attn_outs, axis=0)
+            probes["router_logits"] = routing["logits"]
+            probes.setdefault("moe_out", jnp.zeros((0, b, s, m.d_model), dtype))
+            probes.setdefault("ffn_out", jnp.zeros((0, b, s, m.d_model), dtype))
+            probes["final_hidden"] = x
+            probes["logits"] = logits
+            aux["probes"] = probes
+        return logits, aux
 
     def pure(self) -> tuple[dict, dict]:
-        get = lambda v: v[...]  # noqa: E731
-        return (
-            jax.tree.map(get, self.params, is_leaf=_is_var),
-            jax.tree.map(get, self.buffers, is_leaf=_is_var),
-        )
+        """``(params, buffers)`` as plain nested dicts of arrays (the canonical layout)."""
+        return split_state(self)
 
-    def __call__(self, tokens, **kwargs):
-        params, buffers = self.pure()
-        return apply_model(self.cfg, params, buffers, tokens, **kwargs)
+
+# ---------------------------------------------------------------------------------------------
+# Functional API on split state
+# ---------------------------------------------------------------------------------------------
+
+
+# flax >= 0.12: nnx.to_pure_dict / nnx.replace_by_pure_dict (State methods are deprecated there);
+# older releases only have the State methods.
+def _to_pure(state) -> dict:
+    return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
+
+
+def _replace_by_pure(state, pure: dict) -> None:
+    if hasattr(nnx, "replace_by_pure_dict"):
+        nnx.replace_by_pure_dict(state, pure)
+    else:
+        state.replace_by_pure_dict(pure)
+
+
+def split_state(model: nnx.Module) -> tuple[dict, dict]:
+    """``(params, buffers)`` of a model as nested dicts (trained parameters, non-trained buffers)."""
+    _, params, buffers = nnx.split(model, nnx.Param, Buffer)
+    return _to_pure(params), _to_pure(buffers)
+
+
+_TEMPLATES: collections.OrderedDict = collections.OrderedDict()
+
+
+def template(cfg: Config):
+    """``(graphdef, abstract params State, abstract buffers State)`` of ``cfg``'s model, built once
+    per config without allocating (``nnx.eval_shape``)."""
+    key = cfg.to_json()
+    hit = _TEMPLATES.get(key)
+    if hit is None:
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        hit = nnx.split(abstract, nnx.Param, Buffer)
+        _TEMPLATES[key] = hit
+        while len(_TEMPLATES) > 64:
+            _TEMPLATES.popitem(last=False)
+    _TEMPLATES.move_to_end(key)
+    return hit
+
+
+def _fill(abstract_state, pure: dict):
+    state = jax.tree.map(lambda v: v, abstract_state)
+    _replace_by_pure(state, pure)
+    return state
+
+
+def merge_model(cfg: Config, params: dict, buffers: dict) -> Transformer:
+    """The :class:`Transformer` of ``cfg`` holding ``params`` / ``buffers`` (no copy)."""
+    graphdef, abs_params, abs_buffers = template(cfg)
+    return nnx.merge(graphdef, _fill(abs_params, params), _fill(abs_buffers, buffers or {}))
+
+
+_INIT_FNS: collections.OrderedDict = collections.OrderedDict()
+
+
+def init_fn(cfg: Config, out_shardings=None) -> Callable:
+    """``seed -> (params, buffers)``: the model's declared init as ONE jitted program (cached per
+    config). With ``out_shardings`` each device materialises only its own shards."""
+    key = (cfg.to_json(), repr(out_shardings))
+    fn = _INIT_FNS.get(key)
+    if fn is None:
+        def make(seed):
+            return split_state(Transformer(cfg, rngs=nnx.Rngs(jax.random.key(seed))))
+
+        fn = jax.jit(make, out_shardings=out_shardings)
+        _INIT_FNS[key] = fn
+        while len(_INIT_FNS) > 32:
+            _INIT_FNS.popitem(last=False)
+    return fn
+
+
+def init_params(cfg: Config, seed: int) -> tuple[dict, dict]:
+    """Random fp32 parameters and zero buffers of ``cfg``'s model, as
+    ``Transformer(cfg, rngs=nnx.Rngs(seed))`` makes them: norms ones, routers ~
+    N(0, router_init_std), every other weight ~ N(0, init_std) (the declarations in the modules)."""
+    return init_fn(cfg)(seed)
+
+
+def abstract_params(cfg: Config) -> tuple[dict, dict]:
+    """``(params, buffers)`` as ``jax.ShapeDtypeStruct`` trees (nothing allocated)."""
+    _, p, b = template(cfg)
+    return _to_pure(p), _to_pure(b)
+
+
+def apply_model(cfg: Config, params: dict, buffers: dict, tokens: jax.Array, *,
+                forced_idx: jax.Array | None = None, return_probes: bool = False,
+                dispatch: Callable | None = None):
+    """Forward pass on split state: ``Transformer.__call__`` of the merged model (see there)."""
+    model = merge_model(cfg, params, buffers)
+    return model(tokens, forced_idx=forced_idx, return_probes=return_probes, dispatch=dispatch)
+
+
+def LAYER_STACKS(cfg: Config) -> list[tuple[str, int, int]]:  # noqa: N802 (a table, by config)
+    """The stacked layer modules: ``(state path, first layer index, number of layers)``."""
+    m = cfg.model
+    out = []
+    if m.first_k_dense > 0:
+        out.append(("dense", 0, m.first_k_dense))
+    if m.n_moe_layers > 0:
+        out.append(("moe", m.first_k_dense, m.n_moe_layers))
+    return out
+
+
+def model_declarations(cfg: Config) -> dict[str, Decl]:
+    """Every declared variable of ``cfg``'s model by canonical path (params, then buffers)."""
+    _, p, b = template(cfg)
+    return {**declarations(p), **declarations(b)}
+
+
+def _nest(flat: dict) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        *parents, last = path.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = v
+    return tree
+
+
+def declared_groups(cfg: Config) -> dict:
+    """The optimizer group of every parameter, nested like ``params`` (for jaxmoe.optim)."""
+    return _nest({k: d.group for k, d in model_declarations(cfg).items() if d.trained})
+
+
+def declared_axes(cfg: Config) -> tuple[dict, dict]:
+    """The logical axes of every parameter and buffer, nested like ``(params, buffers)`` (for
+    the rules table in jaxmoe.sharding)."""
+    decl = model_declarations(cfg)
+    return (_nest({k: d.axes for k, d in decl.items() if d.trained}),
+            _nest({k: d.axes for k, d in decl.items() if not d.trained}))
+
+
+def param_count(params) -> int:
+    """Total number of scalars in ``params``."""
+    return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
+
+
+__all__ = ["DTYPES", "LAYER_STACKS", "DecoderLayer", "DenseLayer", "MoELayer", "Transformer", "abstract_params",
+           "apply_model", "declared_axes", "declared_groups", "init_fn", "init_params", "merge_model",
+           "model_declarations", "param_count", "split_state", "template"]

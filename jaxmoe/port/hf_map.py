@@ -1,36 +1,26 @@
-"""The HF hub tensor names of each architecture, mapped onto the canonical jaxmoe layout.
+"""HF tensor names <-> the canonical jaxmoe layout, built from two declarations and nothing else.
 
-One table, built from a :class:`~jaxmoe.config.Config`, drives everything: import (HF -> jaxmoe),
-export (jaxmoe -> HF) and the "which tensors must exist, with which shapes" check. Each row
-(:class:`Entry`) says: HF tensor ``hf_name`` (shape ``hf_shape``) is the slice ``index`` of the
-jaxmoe leaf ``key``, transposed or not.
+* the model's parameter declarations (:func:`jaxmoe.model.transformer.model_declarations`): every
+  leaf's path, shape, logical axes (a leading ``layers`` axis = one HF tensor per layer, an
+  ``experts`` axis = per expert) and type (a linear weight is stored transposed by HF);
+* the architecture record (:mod:`jaxmoe.archs`): the HF name template of each path, per on-disk
+  expert layout.
 
-jaxmoe leaves (docs/LAYOUT.md) are keyed here as ``"params/<path>"`` or ``"buffers/<path>"``:
+One table (:func:`entries`) drives everything: import (HF -> jaxmoe), export (jaxmoe -> HF) and the
+"which tensors must exist, with which shapes" check. Each row (:class:`Entry`) says: HF tensor
+``hf_name`` (shape ``hf_shape``) -- or, for the fused layout's ``gate_up_proj``, the part
+``hf_part`` of it -- is the slice ``index`` of the jaxmoe leaf ``key``, with its last two dims
+swapped or not. Leaves are keyed ``"params/<path>"`` / ``"buffers/<path>"``:
 
-* layer stacks: HF layer ``i`` is row ``i`` of ``dense/*`` when ``i < first_k_dense``, else row
-  ``i - first_k_dense`` of ``moe/*``  -> ``index = (row,)``;
-* experts: ``moe/experts/*`` is ``[Lm, E, in, out]``; HF stores one tensor per expert
-  -> ``index = (row, e)``;
+* layer stacks: HF layer ``i`` is row ``i - offset`` of the stack holding it (``dense/*`` for the
+  first ``first_k_dense`` layers, ``moe/*`` after) -> ``index = (row,)``;
+* experts ``[Lm, E, in, out]``: per-expert layout -> one row per expert, ``index = (row, e)``;
+  fused layout -> one row per layer for ``[E, ...]`` (``gate_up_proj`` holds gate then up along
+  its dim 1: two rows with ``hf_part``);
 * linear weights: HF ``[out, in]``, jaxmoe ``[in, out]`` -> ``transpose=True`` (norms, the
-  embedding ``[V, D]`` and the expert bias are not transposed);
-* tied embeddings: no ``lm_head.weight`` row at all.
-
-Per architecture (names verified against transformers 5.x ``save_pretrained`` output):
-
-=============  ==========================================  =========================================
-               qwen3_moe / deepseek_v3                     mixtral
-=============  ==========================================  =========================================
-router         ``mlp.gate.weight``                         ``block_sparse_moe.gate.weight``
-experts        ``mlp.experts.{e}.{gate,up,down}_proj``     ``block_sparse_moe.experts.{e}.{w1,w3,w2}``
-shared         ``mlp.shared_experts.*`` (deepseek_v3)      --
-expert bias    ``mlp.gate.e_score_correction_bias`` (ds)   --
-dense FFN      ``mlp.{gate,up,down}_proj``                 --
-=============  ==========================================  =========================================
-
-Attention: GQA ``self_attn.{q,k,v,o}_proj`` (+ ``q_norm``/``k_norm``); MLA ``self_attn.q_proj`` or
-``q_a_proj``/``q_a_layernorm``/``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
-``kv_b_proj``, ``o_proj``. The MLA output orders in LAYOUT.md are HF's, so no permutation is
-needed; interleaved RoPE is a forward-time choice (config ``rope_layout``), not a weight layout.
+  embedding and the expert bias are not transposed);
+* HF-only tensors jaxmoe does not hold (DeepSeek-V3's selection bias without
+  ``use_expert_bias``) have ``key == ZERO``: written as zeros, checked to be zero on import.
 """
 
 from __future__ import annotations
@@ -38,10 +28,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from jaxmoe.archs import get_arch
+from jaxmoe.archs.base import GLOBAL_NAMES, LAYER_PREFIX, LAYOUTS
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 ZERO = ""  # Entry.key of HF-only tensors that must be zero (see Entry)
 
 # HF names that are not weights and may be ignored on import (old checkpoints carry them).
@@ -51,120 +42,116 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class Entry:
-    """One HF tensor: ``hf_name`` [hf_shape] == leaf ``key`` at ``index`` (transposed if asked)."""
+    """One HF tensor (or one part of it): ``hf_name`` [hf_shape] == leaf ``key`` at ``index``."""
 
     hf_name: str
-    # "params/moe/experts/gate_proj", "buffers/moe/expert_bias", ...; ZERO for an HF tensor that
-    # jaxmoe does not hold and that must be all zeros (written as zeros, checked on import)
-    key: str
-    index: tuple[int, ...]  # position in the leaf's leading (stack, expert) axes; () = whole leaf
-    transpose: bool
-    hf_shape: tuple[int, ...]
+    key: str  # "params/moe/experts/gate_proj", "buffers/moe/expert_bias", ... or ZERO
+    index: tuple[int, ...]  # position in the leaf's leading (layer, expert) axes; () = whole leaf
+    transpose: bool  # the last two dims are swapped between HF and jaxmoe
+    hf_shape: tuple[int, ...]  # the whole HF tensor
+    hf_part: tuple[int, int, int] | None = None  # (dim, start, stop): this row is that range
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """Shape of the HF tensor's part this row covers (the whole tensor without hf_part)."""
+        if self.hf_part is None:
+            return self.hf_shape
+        dim, start, stop = self.hf_part
+        return self.hf_shape[:dim] + (stop - start,) + self.hf_shape[dim + 1:]
 
     @property
     def jax_shape(self) -> tuple[int, ...]:
-        """Shape of the slice ``leaf[index]`` (the HF tensor, transposed back when needed)."""
-        return tuple(reversed(self.hf_shape)) if self.transpose else self.hf_shape
+        """Shape of the slice ``leaf[index]`` (the HF part, with the last two dims swapped back)."""
+        s = self.part_shape
+        return s[:-2] + (s[-1], s[-2]) if self.transpose else s
 
 
 def check_supported(cfg: Config) -> None:
     """Raise UserError if ``cfg`` cannot be expressed in its HF architecture's layout."""
-    m, e = cfg.model, cfg.moe
-    arch = m.hf_arch
-    if arch not in ARCHS:
-        raise UserError(f"model.hf_arch={arch!r}: no HF mapping; choose one of {', '.join(ARCHS)}")
-    if arch in ("qwen3_moe", "mixtral") and m.attention != "gqa":
-        raise UserError(f"model.hf_arch={arch} needs model.attention='gqa' (got {m.attention!r})")
-    if arch == "deepseek_v3" and m.attention != "mla":
-        raise UserError(f"model.hf_arch=deepseek_v3 needs model.attention='mla' (got {m.attention!r})")
-    if arch in ("qwen3_moe", "mixtral") and e.n_shared_experts:
-        raise UserError(f"model.hf_arch={arch} has no shared experts; set moe.n_shared_experts=0 "
-                        "or use hf_arch=deepseek_v3")
-    if arch in ("qwen3_moe", "mixtral") and e.use_expert_bias:
-        raise UserError(f"model.hf_arch={arch} has no expert bias; set moe.use_expert_bias=false")
-    if arch == "mixtral" and m.first_k_dense:
-        raise UserError("model.hf_arch=mixtral has no dense layers; set model.first_k_dense=0")
-    if arch == "mixtral" and m.qk_norm:
-        raise UserError("model.hf_arch=mixtral has no QK-norm; set model.qk_norm=false")
+    try:
+        arch = get_arch(cfg.model.hf_arch)
+        problems = arch.problems(cfg)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"model.hf_arch={arch.name!r} cannot express {problems[0]}{more}")
 
 
-def _attention(cfg: Config, pre: str, stack: str, row: int):
-    """Rows for one layer's attention (HF prefix ``pre`` = "model.layers.{i}.")."""
-    m = cfg.model
-    a = f"params/{stack}/attn/"
-    d, h = m.d_model, m.n_heads
-    if m.attention == "gqa":
-        hd, kv = m.head_dim, m.n_kv_heads
-        yield Entry(pre + "self_attn.q_proj.weight", a + "q_proj", (row,), True, (h * hd, d))
-        yield Entry(pre + "self_attn.k_proj.weight", a + "k_proj", (row,), True, (kv * hd, d))
-        yield Entry(pre + "self_attn.v_proj.weight", a + "v_proj", (row,), True, (kv * hd, d))
-        yield Entry(pre + "self_attn.o_proj.weight", a + "o_proj", (row,), True, (d, h * hd))
-        if m.qk_norm:
-            yield Entry(pre + "self_attn.q_norm.weight", a + "q_norm", (row,), False, (hd,))
-            yield Entry(pre + "self_attn.k_norm.weight", a + "k_norm", (row,), False, (hd,))
-        return
-    qh = m.qk_nope_head_dim + m.qk_rope_head_dim
-    if m.q_lora_rank > 0:
-        r = m.q_lora_rank
-        yield Entry(pre + "self_attn.q_a_proj.weight", a + "q_a_proj", (row,), True, (r, d))
-        yield Entry(pre + "self_attn.q_a_layernorm.weight", a + "q_a_norm", (row,), False, (r,))
-        yield Entry(pre + "self_attn.q_b_proj.weight", a + "q_b_proj", (row,), True, (h * qh, r))
-    else:
-        yield Entry(pre + "self_attn.q_proj.weight", a + "q_proj", (row,), True, (h * qh, d))
-    c, rope = m.kv_lora_rank, m.qk_rope_head_dim
-    yield Entry(pre + "self_attn.kv_a_proj_with_mqa.weight", a + "kv_a_proj", (row,), True,
-                (c + rope, d))
-    yield Entry(pre + "self_attn.kv_a_layernorm.weight", a + "kv_a_norm", (row,), False, (c,))
-    yield Entry(pre + "self_attn.kv_b_proj.weight", a + "kv_b_proj", (row,), True,
-                (h * (m.qk_nope_head_dim + m.v_head_dim), c))
-    yield Entry(pre + "self_attn.o_proj.weight", a + "o_proj", (row,), True, (d, h * m.v_head_dim))
-
-
-def _swiglu(pre: str, key: str, index: tuple, d: int, f: int, names=("gate_proj", "up_proj",
-                                                                    "down_proj")):
-    """gate/up [f, d] and down [d, f] in HF orientation."""
-    g, u, dn = names
-    yield Entry(f"{pre}{g}.weight", key + "gate_proj", index, True, (f, d))
-    yield Entry(f"{pre}{u}.weight", key + "up_proj", index, True, (f, d))
-    yield Entry(f"{pre}{dn}.weight", key + "down_proj", index, True, (d, f))
-
-
-def entries(cfg: Config) -> list[Entry]:
+def entries(cfg: Config, layout: str = "per-expert") -> list[Entry]:
     """Every HF tensor of ``cfg`` in hub order (embed, layers 0.., norm, lm_head)."""
+    from jaxmoe.model.transformer import LAYER_STACKS, model_declarations
+
     check_supported(cfg)
-    m, e = cfg.model, cfg.moe
-    d = m.d_model
-    arch = m.hf_arch
-    out = [Entry("model.embed_tokens.weight", "params/embed", (), False, (m.vocab_size, d))]
-    for i in range(m.n_layers):
-        pre = f"model.layers.{i}."
-        stack, row = ("dense", i) if i < m.first_k_dense else ("moe", i - m.first_k_dense)
-        out.append(Entry(pre + "input_layernorm.weight", f"params/{stack}/attn_norm", (row,),
-                         False, (d,)))
-        out.extend(_attention(cfg, pre, stack, row))
-        out.append(Entry(pre + "post_attention_layernorm.weight", f"params/{stack}/ffn_norm",
-                         (row,), False, (d,)))
-        if stack == "dense":
-            out.extend(_swiglu(pre + "mlp.", "params/dense/mlp/", (row,), d, m.dense_ffn_dim))
-            continue
-        moe = pre + ("block_sparse_moe." if arch == "mixtral" else "mlp.")
-        out.append(Entry(moe + "gate.weight", "params/moe/router", (row,), True, (e.n_experts, d)))
-        if arch == "deepseek_v3":
-            # HF DeepSeek-V3 always has the selection bias; without use_expert_bias it is zero.
-            out.append(Entry(moe + "gate.e_score_correction_bias",
-                             "buffers/moe/expert_bias" if e.use_expert_bias else ZERO,
-                             (row,), False, (e.n_experts,)))
-        names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        for x in range(e.n_experts):
-            out.extend(_swiglu(f"{moe}experts.{x}.", "params/moe/experts/", (row, x), d,
-                               e.expert_ffn_dim, names))
-        if e.n_shared_experts:
-            out.extend(_swiglu(moe + "shared_experts.", "params/moe/shared/", (row,), d,
-                               e.n_shared_experts * e.expert_ffn_dim))
-    out.append(Entry("model.norm.weight", "params/final_norm", (), False, (d,)))
-    if not m.tie_embeddings:
-        out.append(Entry("lm_head.weight", "params/lm_head", (), True, (m.vocab_size, d)))
+    if layout not in LAYOUTS:
+        raise UserError(f"HF expert layout {layout!r} is not one of: {', '.join(LAYOUTS)}")
+    arch = get_arch(cfg.model.hf_arch)
+    names = arch.names(layout)
+    decls = model_declarations(cfg)
+    out: list[Entry] = []
+
+    def key_of(path, d):
+        return ("params/" if d.trained else "buffers/") + path
+
+    def add_global(path):
+        d = decls.get(path)
+        if d is not None:
+            hf = d.shape[:-2] + (d.shape[-1], d.shape[-2]) if d.hf_transpose else d.shape
+            out.append(Entry(GLOBAL_NAMES[path], key_of(path, d), (), d.hf_transpose, hf))
+
+    add_global("embed")
+    for stack, offset, n in LAYER_STACKS(cfg):
+        sub = {p[len(stack) + 1:]: d for p, d in decls.items() if p.startswith(stack + "/")}
+        per_expert = [(name, d) for name, d in sub.items() if d.axes[1:2] == ("experts",)]
+        for row in range(n):
+            pre = LAYER_PREFIX.format(i=offset + row)
+            experts_done = False
+            for name in names:  # hub order
+                d = sub.get(name)
+                if d is None:
+                    if name == "expert_bias" and stack == "moe" and arch.bias_tensor:
+                        e = cfg.moe.n_experts
+                        out.append(Entry(pre + names[name], ZERO, (row,), False, (e,)))
+                    continue
+                if d.axes[0] != "layers":
+                    raise ValueError(f"{stack}/{name}: a layer stack leaf must start with 'layers'")
+                inner = d.shape[1:]
+                key = key_of(f"{stack}/{name}", d)
+                if d.axes[1:2] == ("experts",) and layout == "per-expert":
+                    if not experts_done:  # all experts here, expert-major (gate, up, down of e)
+                        out.extend(_per_expert(pre, names, per_expert, row, stack, key_of))
+                        experts_done = True
+                    continue
+                hf = inner[:-2] + (inner[-1], inner[-2]) if d.hf_transpose else inner
+                if name in ("experts/gate_proj", "experts/up_proj"):  # fused gate_up_proj
+                    i_dim = hf[-2]
+                    start = 0 if name.endswith("gate_proj") else i_dim
+                    full = hf[:-2] + (2 * i_dim, hf[-1])
+                    out.append(Entry(pre + names[name], key, (row,), d.hf_transpose, full,
+                                     (len(full) - 2, start, start + i_dim)))
+                    continue
+                out.append(Entry(pre + names[name], key, (row,), d.hf_transpose, hf))
+    add_global("final_norm")
+    add_global("lm_head")
+    seen = {(e.hf_name, e.hf_part) for e in out}
+    known = {key_of(p, d) for p, d in decls.items()}
+    covered = {e.key for e in out}
+    if len(seen) != len(out) or known - covered:
+        raise ValueError(f"hf_map: declarations without an HF name in {arch.name}: "
+                         f"{sorted(known - covered)}")
     return out
+
+
+def _per_expert(pre, names, leaves, row, stack, key_of):
+    """The per-expert rows of one layer's expert leaves ``[E, in, out]`` each, expert-major."""
+    n_exp = leaves[0][1].shape[1]
+    order = [(name, d) for name in names for n2, d in leaves if n2 == name]
+    for x in range(n_exp):
+        for name, d in order:
+            inner = d.shape[2:]
+            hf = (inner[-1], inner[-2]) if d.hf_transpose else inner
+            yield Entry(pre + names[name].replace("{e}", str(x)), key_of(f"{stack}/{name}", d),
+                        (row, x), d.hf_transpose, hf)
 
 
 def leaf_shapes(cfg: Config, table: list[Entry] | None = None) -> dict[str, tuple[int, ...]]:
@@ -228,5 +215,5 @@ def unflatten(flat: dict) -> dict:
     return tree
 
 
-__all__ = ["ARCHS", "ZERO", "Entry", "IGNORED_SUFFIXES", "check_supported", "entries", "flatten",
+__all__ = ["ZERO", "Entry", "IGNORED_SUFFIXES", "check_supported", "entries", "flatten",
            "hf_layer_index", "leaf_entries", "leaf_shapes", "unflatten"]

@@ -1,0 +1,277 @@
+"""The ``blocked`` expert compute path: dropless, fast on CPU, with a hand-written backward.
+
+Each assignment gets a row in an expert-contiguous layout where every expert's group is padded
+to a multiple of ``block_size`` rows (a cumulative count, no sort). For each expert that has
+rows, its weights are sliced once, then its group is covered by runs of up to ``_RUN_ROWS`` rows,
+each one ordinary matmul per projection (gate and up side by side as one ``[D, 2I]`` operand). A
+run gathers its input rows straight from ``x`` and scatter-adds its weighted outputs into the
+``[T, D]`` result, so no padded copy of the tokens or of the outputs is ever stored; between the
+passes only the gate/up pre-activations ``[P, 2I]`` are kept. The backward (``jax.custom_vjp``)
+runs the same loops, gathering ``dy``, scatter-adding ``dx``, accumulating weight gradients per
+expert in place and getting the combine-weight gradient as ``<dy @ W_down^T, h>`` (no stored
+outputs needed); plain autodiff of a loop that dynamically slices the weights would instead build
+a full ``[E, D, I]`` zero-padded gradient per run.
+
+Entry points: :func:`blocked_path` (tokens + routing) and :func:`blocked_swiglu_rows` (rows
+already grouped by expert, as the dispatchers receive them). Measurements: docs/MEASUREMENTS.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.model.slots import rank_in_group
+
+
+def _varying_zeros(shape, dtype, *like):
+    """Zeros of ``shape``/``dtype`` whose shard_map varying axes are the union of ``like``'s.
+
+    Loop carries must type-match the body's outputs under ``shard_map(check_vma=True)``; building
+    them with ``jnp.zeros_like`` from the inputs (rather than ``jnp.zeros``) keeps them varying
+    over the same mesh axes the body's results vary over. Outside shard_map this is plain zeros.
+    """
+    z = jnp.zeros_like(like[0], shape=shape, dtype=dtype)
+    for a in like[1:]:
+        z = z + jnp.zeros_like(a, shape=(), dtype=dtype)
+    return z
+
+
+# Rows per matmul: an expert's blocks are processed in runs of ``_RUN_ROWS // block_size`` blocks
+# while they fit, then at most one run each of half, a quarter, ... of that for what is left of
+# the group. Small matmuls run well below a large one's GFLOP/s on XLA:CPU; why 256, see
+# docs/MEASUREMENTS.md ("blocked path").
+_RUN_ROWS = 256
+
+
+def _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, carry):
+    """Loop over the experts that have rows, then over the runs of each expert's group.
+
+    ``prep(e)`` runs once per expert (slices that expert's weights: once per expert rather than
+    once per run); ``body(row0, rows, e, ctx, carry)`` runs per run, ``rows`` static.
+    """
+    bs = block_size
+    g = max(1, min(_RUN_ROWS, n_rows) // bs)  # a run never exceeds the padded rows
+    g = 1 << (g.bit_length() - 1)  # a power of two: the tail runs g/2, g/4, ..., 1 cover any rest
+
+    def per_expert(e, carry):
+        n = grp_blocks[e]
+
+        def work(carry):
+            ctx = prep(e)
+            b0 = grp_start[e]
+            n_full = n // g
+            carry = jax.lax.fori_loop(
+                0, n_full, lambda i, c: body((b0 + i * g) * bs, g * bs, e, ctx, c), carry
+            )
+            done = n_full * g
+            length = g // 2
+            while length >= 1:
+                take = n - done >= length
+                carry = jax.lax.cond(
+                    take,
+                    lambda c, r0=(b0 + done) * bs, rows=length * bs: body(r0, rows, e, ctx, c),
+                    lambda c: c,
+                    carry,
+                )
+                done = done + jnp.where(take, length, 0)
+                length //= 2
+            return carry
+
+        return jax.lax.cond(n > 0, work, lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, grp_blocks.shape[0], per_expert, carry)
+
+
+def _blocked_layout(flat_e, n_experts, block_size):
+    """Place assignments into expert-contiguous, block-padded rows (no argsort).
+
+    ``flat_e [A]``: expert of each assignment, ``n_experts`` for "no assignment". An assignment's
+    padded row is ``padded_start[e] + rank`` (its rank inside its expert's group). The padded
+    rows number ``P = (ceil(A / block_size) + n_experts) * block_size``, a static bound (every
+    group wastes < 1 block). Returns ``pos [A]`` (padded row, ``P`` for invalid assignments),
+    ``a_of_p [P]`` (assignment of each padded row, -1 for padding) and each expert's first block
+    and block count ``[E]``.
+    """
+    e, bs = n_experts, block_size
+    n_rows = (-(-flat_e.shape[0] // bs) + e) * bs
+    rank, gs = rank_in_group(flat_e, e)
+    padded = (gs + bs - 1) // bs * bs
+    pends = jnp.cumsum(padded)
+    pstarts = pends - padded
+    valid = flat_e < e
+    pos = jnp.where(valid, pstarts[jnp.minimum(flat_e, e - 1)] + rank, n_rows).astype(jnp.int32)
+    a_of_p = jnp.full((n_rows,), -1, jnp.int32).at[pos].set(
+        jnp.arange(flat_e.shape[0], dtype=jnp.int32), mode="drop"
+    )
+    return pos, a_of_p, (pstarts // bs).astype(jnp.int32), (padded // bs).astype(jnp.int32)
+
+
+class _Run:
+    """One run of padded rows ``r0 .. r0+rows`` (all of expert ``e``): which source row each
+    padded row reads, whether it holds an assignment, and that assignment's combine weight."""
+
+    def __init__(self, a_of_p, comb_w_flat, n_src, k, r0, rows):
+        a = jax.lax.dynamic_slice_in_dim(a_of_p, r0, rows, 0)
+        self.valid = a >= 0
+        a_safe = jnp.where(self.valid, a, 0)
+        self.src = a_safe // k  # for gathers (padding rows read row 0, then are zeroed)
+        # for scatter-adds: padding rows get distinct out-of-range rows, which mode="drop" skips;
+        # valid rows of one run are distinct source rows in increasing order
+        self.dst = jnp.where(self.valid, self.src, n_src + jnp.arange(rows, dtype=a.dtype))
+        self.w = jnp.where(self.valid, comb_w_flat[a_safe], 0)
+
+    def gather(self, src):
+        return jnp.where(self.valid[:, None], src[self.src], 0)
+
+    def scatter_add(self, acc, rows):
+        return acc.at[self.dst].add(rows, mode="drop", unique_indices=True, indices_are_sorted=True)
+
+
+def _expert_weights(wg, wu, wd, e, dt):
+    """Expert ``e``'s weights in ``dt``: gate and up side by side ``[D, 2I]`` (one matmul for
+    both) and down ``[I, D]``. The ``prep`` of both passes' loops."""
+    at = functools.partial(jax.lax.dynamic_index_in_dim, index=e, axis=0, keepdims=False)
+    return jnp.concatenate([at(wg), at(wu)], axis=1).astype(dt), at(wd).astype(dt)
+
+
+def _block_loop_fwd(block_size, x, comb_w, a_of_p, grp_start, grp_blocks, wg, wu, wd, save_residuals):
+    """Forward over the used runs; returns ``out [S, D]`` fp32 (and ``gu [P, 2I]`` fp32)."""
+    dt = x.dtype
+    f32 = jnp.float32
+    n_src, k = comb_w.shape
+    n_rows, d = a_of_p.shape[0], x.shape[1]
+    i_dim = wg.shape[-1]
+    w_flat = comb_w.reshape(-1)
+
+    prep = functools.partial(_expert_weights, wg, wu, wd, dt=dt)
+
+    def body(r0, rows, e, ctx, carry):
+        wgu_e, wd_e = ctx
+        run = _Run(a_of_p, w_flat, n_src, k, r0, rows)
+        gu = jnp.dot(run.gather(x), wgu_e, preferred_element_type=f32)
+        h = (jax.nn.silu(gu[:, :i_dim]) * gu[:, i_dim:]).astype(dt)
+        y = jnp.dot(h, wd_e, preferred_element_type=f32)
+        out = [run.scatter_add(carry[0], run.w[:, None] * y.astype(dt).astype(f32))]
+        if save_residuals:
+            out.append(jax.lax.dynamic_update_slice_in_dim(carry[1], gu, r0, 0))
+        return tuple(out)
+
+    init = [_varying_zeros((n_src, d), f32, x, comb_w, wg, wu, wd, a_of_p)]
+    if save_residuals:
+        init.append(_varying_zeros((n_rows, 2 * i_dim), f32, x, wg, wu, a_of_p))
+    return _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, tuple(init))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked_ffn(block_size, x, comb_w, wg, wu, wd, out_idx, a_of_p, grp_start, grp_blocks):
+    """``out[s] = sum_j comb_w[s, j] * SwiGLU_{e(s, j)}(x[s])`` over block-padded rows, fp32.
+
+    ``out_idx [S, k]`` is the padded row of source row ``s``'s ``j``-th assignment (``P`` if it
+    has none) and ``a_of_p [P]`` its inverse (``s * k + j`` per padded row, -1 for padding);
+    ``comb_w [S, k]`` fp32 is 0 for assignments that do not exist. Each run gathers its input
+    rows straight from ``x`` and scatter-adds its weighted outputs into ``out`` (the rows of one
+    run are distinct tokens, so the scatter has unique, sorted indices and XLA:CPU runs it as
+    fast as a row copy); the backward does the same with ``dy`` and ``dx``. Only the gate/up
+    pre-activations ``[P, 2I]`` are kept between the passes: no padded copy of ``x``, of the
+    outputs, of ``dy`` or of ``dx`` is ever stored.
+    """
+    return _block_loop_fwd(block_size, x, comb_w, a_of_p, grp_start, grp_blocks, wg, wu, wd, False)[0]
+
+
+def _blocked_ffn_fwd(block_size, x, comb_w, wg, wu, wd, out_idx, a_of_p, grp_start, grp_blocks):
+    out, gu = _block_loop_fwd(block_size, x, comb_w, a_of_p, grp_start, grp_blocks, wg, wu, wd, True)
+    return out, (x, comb_w, wg, wu, wd, out_idx, a_of_p, grp_start, grp_blocks, gu)
+
+
+def _blocked_ffn_bwd(block_size, res, dout):
+    x, comb_w, wg, wu, wd, out_idx, a_of_p, grp_start, grp_blocks, gu_all = res
+    n_src, k = comb_w.shape
+    dt = x.dtype
+    f32 = jnp.float32
+    n_rows = a_of_p.shape[0]
+    i_dim = wg.shape[-1]
+    dout = dout.astype(f32)
+    w_flat = comb_w.reshape(-1)
+
+    prep = functools.partial(_expert_weights, wg, wu, wd, dt=dt)
+
+    def body(r0, rows, e, ctx, carry):
+        wgu_e, wd_e = ctx
+        dx, d_w_rows, dwg, dwu, dwd = carry
+        run = _Run(a_of_p, w_flat, n_src, k, r0, rows)
+        xs = run.gather(x)
+        dy = run.gather(dout)  # unscaled: dy @ wd^T also gives the combine-weight gradient
+        gu = jax.lax.dynamic_slice_in_dim(gu_all, r0, rows, 0)
+        g, u = gu[:, :i_dim], gu[:, i_dim:]
+        sg = jax.nn.sigmoid(g)
+        silu = g * sg
+        h = (silu * u).astype(dt)
+        dh0 = jnp.dot(dy.astype(dt), wd_e.T, preferred_element_type=f32)
+        # d out / d comb_w[s, j] = <dy[s], y_row> = <dy[s] @ wd^T, h>
+        d_w_rows = jax.lax.dynamic_update_slice_in_dim(
+            d_w_rows, jnp.sum(dh0 * h.astype(f32), axis=1), r0, 0
+        )
+        dh = run.w[:, None] * dh0
+        dgu = jnp.concatenate([dh * u * sg * (1 + g * (1 - sg)), dh * silu], axis=1).astype(dt)
+        dx = run.scatter_add(dx, jnp.dot(dgu, wgu_e.T, preferred_element_type=f32))
+        dwgu = jnp.dot(xs.T, dgu, preferred_element_type=f32)
+
+        def acc(w_grad, upd):
+            cur = jax.lax.dynamic_index_in_dim(w_grad, e, 0, False)
+            return jax.lax.dynamic_update_index_in_dim(w_grad, cur + upd, e, 0)
+
+        dys = (run.w[:, None] * dy).astype(dt)
+        dwd = acc(dwd, jnp.dot(h.T, dys, preferred_element_type=f32))
+        dwg = acc(dwg, dwgu[:, :i_dim])
+        dwu = acc(dwu, dwgu[:, i_dim:])
+        return dx, d_w_rows, dwg, dwu, dwd
+
+    init = (
+        _varying_zeros(x.shape, f32, x, wg, wu, wd, dout, a_of_p),
+        _varying_zeros((n_rows,), f32, x, wg, wu, wd, dout, a_of_p),
+        _varying_zeros(wg.shape, f32, wg, x, dout, a_of_p),
+        _varying_zeros(wu.shape, f32, wu, x, dout, a_of_p),
+        _varying_zeros(wd.shape, f32, wd, x, dout, a_of_p),
+    )
+    dx, d_w_rows, dwg, dwu, dwd = _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, init)
+    ok = out_idx < n_rows
+    d_comb = jnp.where(ok, d_w_rows[jnp.minimum(out_idx, n_rows - 1)], 0)
+    return (dx.astype(x.dtype), d_comb.astype(comb_w.dtype), dwg.astype(wg.dtype),
+            dwu.astype(wu.dtype), dwd.astype(wd.dtype), None, None, None, None)
+
+
+_blocked_ffn.defvjp(_blocked_ffn_fwd, _blocked_ffn_bwd)
+
+
+def blocked_swiglu_rows(x_sorted, group_sizes, weights, block_size):
+    """Rows already grouped by expert through the same block-padded core (one assignment per row;
+    rows past ``sum(group_sizes)`` have none and give 0)."""
+    n = x_sorted.shape[0]
+    e = weights["gate_proj"].shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    i = jnp.arange(n)
+    row_e = jnp.where(i < ends[-1], jnp.searchsorted(ends, i, side="right"), e)
+    pos, a_of_p, grp_start, grp_blocks = _blocked_layout(row_e, e, block_size)
+    y = _blocked_ffn(
+        block_size, x_sorted, (row_e < e).astype(jnp.float32)[:, None], weights["gate_proj"],
+        weights["up_proj"], weights["down_proj"], pos[:, None], a_of_p, grp_start, grp_blocks,
+    )
+    return y.astype(x_sorted.dtype)
+
+
+def blocked_path(x, topk_idx, topk_weights, weights, moe_cfg):
+    """blocked: assignments placed straight into expert-contiguous block-padded rows (no sort)."""
+    t, k = topk_idx.shape
+    bs = moe_cfg.block_size
+    pos, a_of_p, grp_start, grp_blocks = _blocked_layout(topk_idx.reshape(-1), moe_cfg.n_experts, bs)
+    y = _blocked_ffn(
+        bs, x, topk_weights.astype(jnp.float32), weights["gate_proj"], weights["up_proj"],
+        weights["down_proj"], pos.reshape(t, k), a_of_p, grp_start, grp_blocks,
+    )
+    return y.astype(x.dtype)
+
+
+__all__ = ["blocked_path", "blocked_swiglu_rows"]

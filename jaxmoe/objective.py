@@ -1,0 +1,123 @@
+"""The training objective: forward + loss of one micro-batch, and its gradients over a step.
+
+``model_loss`` runs the model on split state and computes the loss from its outputs
+(:mod:`jaxmoe.losses`). ``make_grad_fn`` builds the step's gradient function: the global batch is
+split into ``train.micro_batches`` micro-batches (a ``lax.scan``) whose fp32 gradients are summed;
+CE and the output z-loss are sums over valid tokens divided by the *global* valid count, so their
+micro sums equal the full batch exactly; aux router losses (load balance, sequence aux, router z)
+are per micro-batch and averaged over micro-batches (as Megatron and torchtitan do). Forced
+routing (parity replays) goes through the same function, so parity checks the training objective
+itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.config import Config
+from jaxmoe.losses import compute_loss
+from jaxmoe.model.transformer import apply_model
+
+
+def model_loss(cfg: Config, params, buffers, batch, *, n_valid=None, dispatch=None, forced_idx=None):
+    """``apply_model`` + ``compute_loss``: returns ``(total, (metrics, aux))`` for ``jax.grad``."""
+    logits, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
+                              dispatch=dispatch)
+    total, metrics = compute_loss(cfg, logits, aux, batch, n_valid)
+    return total, (metrics, aux)
+
+
+def split_micro_batches(batch: dict, n: int) -> dict:
+    """[B, S] -> [n, B/n, S]: micro-batch i takes rows i*B/n ... (i+1)*B/n - 1."""
+    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
+
+
+def split_forced(forced_idx, batch_size: int, n: int):
+    """Forced routing ``[Lm, B*S, k]`` (tokens row-major) -> ``[n, Lm, (B/n)*S, k]``, micro-batch i
+    taking the tokens of its rows."""
+    lm, t, k = forced_idx.shape
+    f = forced_idx.reshape(lm, n, t // n, k)
+    return jnp.moveaxis(f, 1, 0)
+
+
+def router_stats(cfg: Config, aux: dict) -> dict:
+    """Per-MoE-layer load (max/mean assignments), dropped fraction and router entropy."""
+    counts = aux["counts"].astype(jnp.float32)  # [Lm, E]
+    if counts.shape[0] == 0:
+        return {}
+    load = counts.max(-1) / jnp.maximum(counts.mean(-1), 1e-9)
+    assignments = counts.sum(-1)
+    scores = aux["router"]["scores"]  # [Lm, T, E]
+    p = scores / jnp.maximum(scores.sum(-1, keepdims=True), 1e-20)
+    entropy = -(p * jnp.log(jnp.maximum(p, 1e-20))).sum(-1).mean(-1)
+    return {
+        "expert_load": load,
+        "counts": aux["counts"],
+        "dropped_frac": aux["dropped"].sum() / jnp.maximum(assignments.sum(), 1.0),
+        "router_entropy": entropy,
+    }
+
+
+def make_grad_fn(cfg: Config, *, dispatch=None):
+    """``grads(params, buffers, batch, forced_idx=None) -> (grads, metrics, counts)`` over the
+    step's micro-batches (see the module doc).
+
+    ``batch`` holds the whole step's global batch ``[B, S]``; ``forced_idx [Lm, B*S, k]`` (optional)
+    replays a routing for the whole batch. ``counts [Lm, E]`` are the expert assignments summed
+    over all micro-batches (for the bias update).
+    """
+    n_micro = cfg.train.micro_batches
+    zc = cfg.train.z_loss_coef
+
+    def micro_objective(params, buffers, mb, n_valid, forced):
+        total, (metrics, aux) = model_loss(cfg, params, buffers, mb, n_valid=n_valid, dispatch=dispatch,
+                                           forced_idx=forced)
+        token_part = metrics["ce"] + zc * metrics["z_loss"]
+        objective = token_part + (total - token_part) / n_micro
+        return objective, (metrics, aux)
+
+    value_and_grad = jax.value_and_grad(micro_objective, has_aux=True)
+
+    def grads_fn(params, buffers, batch, forced_idx=None):
+        n_valid = jnp.maximum(batch["mask"].sum(), 1.0)
+        micro = split_micro_batches(batch, n_micro)
+        forced = None if forced_idx is None else split_forced(forced_idx, batch["inputs"].shape[0], n_micro)
+        counts0 = jnp.zeros((cfg.model.n_moe_layers, cfg.moe.n_experts), jnp.float32)
+
+        def one(mb, fi):
+            (obj, (metrics, aux)), grads = value_and_grad(params, buffers, mb, n_valid, fi)
+            m = dict(metrics)
+            m["objective"] = obj
+            stats = router_stats(cfg, aux)
+            counts = counts0
+            if stats:
+                m["expert_load"] = stats["expert_load"]
+                m["router_entropy"] = stats["router_entropy"]
+                m["dropped"] = aux["dropped"].sum().astype(jnp.float32)
+                m["assignments"] = aux["counts"].sum().astype(jnp.float32)
+                counts = aux["counts"].astype(jnp.float32)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), m, counts
+
+        def body(carry, xs):
+            out = one(*xs)
+            return jax.tree.map(jnp.add, carry, out), None
+
+        first = jax.tree.map(lambda x: x[0], (micro, forced))
+        shapes = jax.eval_shape(one, *first)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        (grads, msum, counts), _ = jax.lax.scan(body, zeros, (micro, forced))
+
+        metrics = {}
+        for k, v in msum.items():  # CE / z-loss are global sums already; the rest are means
+            metrics[k] = v if k in ("ce", "z_loss", "objective", "dropped", "assignments") else v / n_micro
+        metrics["loss"] = metrics["objective"]
+        metrics["n_valid"] = n_valid
+        if "dropped" in metrics:
+            metrics["dropped_frac"] = metrics.pop("dropped") / jnp.maximum(metrics.pop("assignments"), 1.0)
+        return grads, metrics, counts
+
+    return grads_fn
+
+
+__all__ = ["make_grad_fn", "model_loss", "router_stats", "split_forced", "split_micro_batches"]
