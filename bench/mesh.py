@@ -184,7 +184,7 @@ def run_layout(preset, spec, kind, chunks, batch, seq, steps):
     from jaxmoe.config import load_config
     from jaxmoe.model.transformer import declared_groups, init_params
     from jaxmoe.optim import build_optimizer
-    from jaxmoe.sharding import build_context, parse_mesh
+    from jaxmoe.mesh import build_context, parse_mesh
     from jaxmoe.train import init_state, make_train_step
 
     cfg = load_config(preset, overrides=[f"train.batch_size={batch}", f"train.seq_len={seq}"])

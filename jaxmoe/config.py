@@ -18,217 +18,33 @@ impossible combinations with a one-line :class:`ConfigError` naming the key, bef
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import tomllib
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from jaxmoe.archs import ARCH_NAMES, get_arch
+from jaxmoe.archs import get_arch
 from jaxmoe.counting import COUNT_METHOD, count_params, flops_per_token, human  # noqa: F401 (API)
 from jaxmoe.errors import ConfigError
+from jaxmoe.schema import (  # noqa: F401 (the schema is part of this module's API)
+    SECTIONS,
+    Config,
+    MeshConfig,
+    ModelConfig,
+    MoEConfig,
+    TrainConfig,
+    _field_type,
+    choices,
+)
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
 # --------------------------------------------------------------------------------------------
-# Sections
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    name: str = "custom"
-    # Which HuggingFace architecture this model corresponds to (weight interchange naming):
-    # "qwen3_moe" (GQA + softmax), "mixtral", "deepseek_v3" (MLA + sigmoid; also Kimi-K2).
-    hf_arch: str = field(default="qwen3_moe", metadata={"choices": ARCH_NAMES})
-    vocab_size: int = 256
-    d_model: int = 64
-    n_layers: int = 2
-    first_k_dense: int = 0  # the first k layers use a dense SwiGLU FFN instead of MoE
-    dense_ffn_dim: int = 128  # intermediate size of the dense FFN layers
-    attention: Literal["gqa", "mla"] = "gqa"
-    n_heads: int = 4
-    # GQA
-    n_kv_heads: int = 2
-    head_dim: int = 16
-    qk_norm: bool = False  # Qwen3-style RMSNorm on q and k per head
-    # MLA (DeepSeek-V3)
-    q_lora_rank: int = 0  # 0: q projected directly (no low-rank q)
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 8
-    v_head_dim: int = 16
-    # norms / positions
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_layout: Literal["half", "interleaved"] = "half"  # half-split (HF Llama/Qwen/Mixtral) | pairs
-    rope_scaling: Literal["none", "yarn"] = "none"
-    yarn_factor: float = 1.0
-    yarn_original_max_pos: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    yarn_mscale_all_dim: float = 0.0
-    max_seq_len: int = 4096
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-
-    @property
-    def n_moe_layers(self) -> int:
-        return self.n_layers - self.first_k_dense
-
-    @property
-    def q_head_dim(self) -> int:
-        """Per-head query/key width used for attention scores."""
-        if self.attention == "mla":
-            return self.qk_nope_head_dim + self.qk_rope_head_dim
-        return self.head_dim
-
-    @property
-    def rope_dim(self) -> int:
-        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
-
-
-@dataclass
-class MoEConfig:
-    n_experts: int = 8
-    top_k: int = 2
-    expert_ffn_dim: int = 64  # intermediate size of one routed expert (SwiGLU)
-    n_shared_experts: int = 0  # shared experts, fused into one SwiGLU of width n_shared * expert_ffn_dim
-    # Routing semantics (router runs in fp32 always)
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    # softmax: Mixtral/Qwen3 semantics = softmax over all experts, then top-k, then optional
-    # renormalisation. sigmoid: DeepSeek-V3 semantics.
-    norm_topk_prob: bool = True  # renormalise the k selected weights to sum to 1
-    route_scale: float = 1.0  # multiply gate weights after normalisation (DeepSeek-V3: 2.5)
-    n_groups: int = 1  # expert groups for group-limited selection (DeepSeek-V3: 8)
-    topk_groups: int = 1  # groups kept (DeepSeek-V3: 4); group score = sum of its top-2 scores
-    use_expert_bias: bool = False  # aux-loss-free balancing bias, used only for selection
-    bias_update_rate: float = 1e-3  # sign-rule update rate of the expert bias
-    # Aux losses (coefficients; 0 disables)
-    lb_coef: float = 0.0  # global-batch load-balance loss, Switch form: E * sum_e f_e * P_e
-    seq_aux_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss
-    router_z_coef: float = 0.0  # router z-loss: mean(logsumexp(router_logits)^2)
-    # Expert compute path
-    # implementations: jaxmoe.model.experts.PATHS (which also says which run under a mesh)
-    compute_path: Literal["dense", "ragged", "blocked"] = "blocked"
-    capacity_factor: float = 0.0  # dense path: 0 = dropless (capacity = worst case)
-    block_size: int = 16  # blocked path: each expert's token group is padded to a multiple of this
-    router_init_std: float = 0.02
-
-
-@dataclass
-class MeshConfig:
-    replica: int = 1
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
-    # expert-parallel dispatcher (implementations: jaxmoe.dispatch.DISPATCHERS); auto picks per backend
-    dispatcher: Literal["auto", "all_to_all", "ragged_all_to_all", "allgather"] = "auto"
-    a2a_capacity_factor: float = 0.0  # 0 = worst case (dropless)
-    dispatch_chunks: int = 1  # split tokens into chunks so all-to-all overlaps compute
-    xla_flags_profile: Literal["none", "gpu_overlap"] = "none"
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 0
-    steps: int = 60
-    batch_size: int = 8  # sequences per step (global)
-    seq_len: int = 64
-    micro_batches: int = 1  # gradient accumulation: batch_size split into this many micro-batches
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (master params always fp32)
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    wsd_decay_frac: float = 0.2
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    decay_norms: bool = False
-    decay_embeddings: bool = False
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    # Muon (matrices, including stacked expert weights per expert); AdamW for the rest
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5
-    muon_ns_coefficients: list = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
-    muon_eps: float = 1e-7
-    muon_adjust_lr: Literal["original", "match_rms_adamw", "none"] = "original"
-    muon_weight_decay: float = 0.1
-    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # bfloat16 as torch.optim.Muon
-    z_loss_coef: float = 0.0  # output-logit z-loss
-    remat: Literal["none", "full", "save_dots", "offload"] = "none"
-    # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer)
-    data: str = "default"
-    tokenizer: str = ""  # path to a HuggingFace tokenizers tokenizer.json for text data
-    eval_every: int = 20
-    eval_batches: int = 2
-    log_every: int = 1
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 3
-    max_bad_steps: int = 3
-
-
-SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "mesh": MeshConfig, "train": TrainConfig}
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    description: str = ""
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    def replace(self, **sections) -> "Config":
-        return dataclasses.replace(self, **sections)
-
-
-# --------------------------------------------------------------------------------------------
 # Building configs: dicts, TOML, presets, --set overrides
 # --------------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def choices(cls, name: str) -> tuple | None:
-    """The allowed values of field ``name`` of section class ``cls``: the arguments of its
-    ``Literal[...]`` type, or ``metadata["choices"]`` (e.g. ``model.hf_arch`` from the
-    architecture registry); None for a free field. The one declaration validation reads."""
-    f = {f.name: f for f in fields(cls)}[name]
-    if "choices" in f.metadata:
-        return tuple(f.metadata["choices"])
-    hint = _hints(cls)[name]
-    if typing.get_origin(hint) is Literal:
-        return typing.get_args(hint)
-    return None
-
-
-def _field_type(cls, name: str) -> type:
-    hint = _hints(cls)[name]
-    if typing.get_origin(hint) is Literal:
-        return type(typing.get_args(hint)[0])
-    f = {f.name: f for f in fields(cls)}[name]
-    if f.default is not dataclasses.MISSING:
-        return type(f.default)
-    return type(f.default_factory())  # type: ignore[misc]
 
 
 def _coerce(section: str, key: str, value: Any, typ: type) -> Any:

@@ -3,7 +3,7 @@
 Two things must happen before anything touches a JAX backend (``jax.devices()``, the first array,
 the first jit): XLA_FLAGS must hold every flag (XLA reads them once, when the backend is created),
 and ``jax.distributed.initialize`` must have run (it decides which devices are global). Importing
-``jax`` itself is fine; creating the backend is not. ``jaxmoe.sharding.setup_from_args`` calls
+``jax`` itself is fine; creating the backend is not. ``jaxmoe.mesh.setup_from_args`` calls
 :func:`apply_xla_flags_profile` then :func:`initialize_from_args` first thing, and ``jaxmoe.train``
 touches no backend before it.
 

@@ -3,11 +3,8 @@
 XLA:CPU allocates every executable's outputs and temporaries with ``malloc`` on each call. With
 glibc's defaults a large block is served by a fresh ``mmap`` and handed back with ``munmap`` when
 freed, and the heap is trimmed whenever its free top grows past a threshold; the next call then
-touches fresh pages and pays a page fault for every 4 KiB. Measured on the 2-core development VM
-(``bench/experts.py``): after one call of the ``ragged`` or ``dense`` path had churned the heap,
-the blocked path's forward went from 50 ms to 69 ms, and a plain 25 MB-output matmul moves
-between 43 and 72 ms with the allocator's state. With freed memory kept (this module, or
-tcmalloc), both stay at their fast figures.
+touches fresh pages and pays a page fault for every 4 KiB (figures: docs/MEASUREMENTS.md, "Host
+allocator").
 
 :func:`keep_freed_memory` sets ``M_MMAP_MAX=0`` (every block comes from the heap) and a huge
 ``M_TRIM_THRESHOLD`` (the heap is never trimmed), so memory freed by one call is reused by the
@@ -16,9 +13,7 @@ nothing happens. Opt out with ``JAXMOE_SYSTEM_MALLOC=1``.
 
 Only ``bench/experts.py`` applies it: it alternates very different executables (the dense and
 ragged paths churn hundreds of MB per call) and times the next one. ``jaxmoe train`` does not: it
-calls the same step executable over and over, and on ``small`` (12 steps, two interleaved pairs of
-runs, ``JAXMOE_SYSTEM_MALLOC=1`` vs unset) steady tokens/s were 430-625 with the system allocator
-and 450-650 with this setting, within the machine's noise.
+calls the same step executable over and over, where the setting made no measurable difference.
 """
 
 from __future__ import annotations

@@ -28,6 +28,14 @@ def model_loss(cfg: Config, params, buffers, batch, *, n_valid=None, dispatch=No
     return total, (metrics, aux)
 
 
+def lm_loss(model, batch: dict) -> jax.Array:
+    """The training loss of an NNX :class:`~jaxmoe.model.transformer.Transformer` on ``batch``
+    (``inputs``, ``targets`` int ``[B, S]``, ``mask`` ``[B, S]``): for ``nnx.value_and_grad``."""
+    logits, aux = model(batch["inputs"])
+    total, _ = compute_loss(model.cfg, logits, aux, batch)
+    return total
+
+
 def split_micro_batches(batch: dict, n: int) -> dict:
     """[B, S] -> [n, B/n, S]: micro-batch i takes rows i*B/n ... (i+1)*B/n - 1."""
     return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
@@ -120,4 +128,4 @@ def make_grad_fn(cfg: Config, *, dispatch=None):
     return grads_fn
 
 
-__all__ = ["make_grad_fn", "model_loss", "router_stats", "split_forced", "split_micro_batches"]
+__all__ = ["lm_loss", "make_grad_fn", "model_loss", "router_stats", "split_forced", "split_micro_batches"]

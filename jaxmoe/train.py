@@ -1,15 +1,9 @@
 """The training loop: ``jaxmoe train``.
 
-Read top to bottom:
-
-1. ``TrainState``: params (fp32 master), buffers (expert biases), optimizer state, step, RNG.
-2. ``make_train_step``: one jit-compiled step with donated state — the gradients of the training
-   objective over the step's micro-batches (``jaxmoe.objective.make_grad_fn``), global-norm
-   clipping and the optimizer (``jaxmoe.optim``), a non-finite guard that skips the update, and
-   the aux-loss-free expert-bias update on the expert counts summed over the whole step.
-3. ``Trainer``: data, checkpoints (``jaxmoe.checkpoint``), eval, metrics.jsonl, TensorBoard,
-   progress bar, resume.
-4. ``add_args`` / ``run``: the CLI.
+Read top to bottom: ``Trainer`` (data, the jitted step of :mod:`jaxmoe.step`, checkpoints
+(:mod:`jaxmoe.checkpoint`), eval, metrics.jsonl, TensorBoard, progress bar, resume), then
+``add_args`` / ``run``: the CLI. jax is imported inside the functions that need it, so that
+``jaxmoe train --help`` and config errors are instant.
 """
 
 from __future__ import annotations
@@ -28,134 +22,21 @@ from jaxmoe.config import Config, config_to_toml, flops_per_token, load_config
 from jaxmoe.errors import ConfigError, UserError
 
 
-def __getattr__(name):
-    # The training objective lives in jaxmoe.objective (it imports jax); these names stay
-    # importable from here (public API) without importing jax for `jaxmoe train --help`.
-    if name in ("make_grad_fn", "router_stats", "split_micro_batches", "model_loss"):
-        from jaxmoe import objective
+_LAZY = {"make_grad_fn": "objective", "router_stats": "objective", "split_micro_batches": "objective",
+         "model_loss": "objective", "init_state": "step", "make_train_step": "step",
+         "make_eval_step": "step", "device_peak_flops": "step"}
 
-        return getattr(objective, name)
+
+def __getattr__(name):
+    # The step and the objective live in jaxmoe.step / jaxmoe.objective (they import jax); these
+    # names stay importable from here (public API) without importing jax for `jaxmoe train --help`.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"jaxmoe.{_LAZY[name]}"), name)
     raise AttributeError(name)
 
 # jax is imported lazily (inside functions) so that `jaxmoe --help` and config errors are instant.
-
-
-# --------------------------------------------------------------------------------------------
-# State and step
-# --------------------------------------------------------------------------------------------
-
-
-def init_state(cfg: Config, tx, params=None, buffers=None) -> dict:
-    """A fresh training state (a plain pytree, so that checkpoints and shardings see it whole)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxmoe.model.transformer import init_params
-
-    if params is None:
-        params, buffers = init_params(cfg, cfg.train.seed)
-    return {
-        "params": params,
-        "buffers": buffers,
-        "opt_state": tx.init(params),
-        "step": jnp.zeros((), jnp.int32),
-        "rng": jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
-        "bad_steps": jnp.zeros((), jnp.int32),  # consecutive non-finite steps
-    }
-
-
-def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
-    """Build the jit-compiled train step ``step(state, batch) -> (state, metrics)``.
-
-    gradients (``make_grad_fn``) -> global-norm + finiteness check -> optimizer (clipping is part
-    of ``tx``) -> expert-bias update on the step's summed counts. A non-finite loss or gradient
-    keeps params, buffers and optimizer state unchanged and counts a bad step.
-    """
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from jaxmoe.losses import update_expert_bias
-    from jaxmoe.objective import make_grad_fn
-
-    grads_fn = make_grad_fn(cfg, dispatch=dispatch)
-    use_bias = cfg.moe.use_expert_bias and cfg.model.n_moe_layers > 0
-
-    def step(state, batch):
-        params, buffers = state["params"], state["buffers"]
-        grads, metrics, counts = grads_fn(params, buffers, batch)
-        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-
-        updates, new_opt = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        new_buffers = buffers
-        if use_bias:
-            bias = buffers["moe"]["expert_bias"]
-            new_bias = update_expert_bias(bias, counts, cfg.moe.bias_update_rate)
-            new_buffers = {**buffers, "moe": {**buffers["moe"], "expert_bias": new_bias}}
-
-        def keep(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-        new_state = {
-            "params": keep(new_params, params),
-            "buffers": keep(new_buffers, buffers),
-            "opt_state": keep(new_opt, state["opt_state"]),
-            "step": state["step"] + 1,
-            "rng": state["rng"],
-            "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1).astype(jnp.int32),
-        }
-        metrics["grad_norm"] = grad_norm
-        metrics["skipped"] = ~finite
-        metrics["counts"] = counts
-        return new_state, metrics
-
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
-
-
-def make_eval_step(cfg: Config, *, dispatch=None):
-    import jax
-
-    from jaxmoe.objective import model_loss
-
-    def ev(params, buffers, batch):
-        total, (metrics, _) = model_loss(cfg, params, buffers, batch, dispatch=dispatch)
-        return {"loss": total, "ce": metrics["ce"]}
-
-    return jax.jit(ev)
-
-
-# --------------------------------------------------------------------------------------------
-# Peak FLOP/s for MFU
-# --------------------------------------------------------------------------------------------
-
-# dense bf16 peak per device (FLOP/s), vendor figures
-_PEAK = {"h200": 989e12, "h100": 989e12, "gh200": 989e12, "a100": 312e12, "b200": 2250e12, "gb200": 2500e12}
-
-
-def device_peak_flops(dtype: str) -> tuple[float, str]:
-    """Peak FLOP/s of one device and where it came from (table for GPUs; measured on CPU)."""
-    import jax
-    import jax.numpy as jnp
-
-    dev = jax.devices()[0]
-    kind = getattr(dev, "device_kind", "").lower()
-    for name, peak in _PEAK.items():
-        if name in kind.replace(" ", ""):
-            return (peak if dtype == "bfloat16" else peak / 2), f"table:{kind}"
-    # CPU (or unknown): measure a large fp32 matmul once; MFU is then relative to that.
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t0 = time.perf_counter()
-    reps = 5
-    for _ in range(reps):
-        out = f(a)
-    out.block_until_ready()
-    dt = (time.perf_counter() - t0) / reps
-    return 2 * n**3 / dt, f"measured-matmul:{kind or dev.platform}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,7 +105,7 @@ class Trainer:
                  stop_after: int | None = None):
         self.cfg, self.out, self.resume, self.quiet = cfg, Path(out), resume, quiet
         self.stop_after = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
-        self.mesh_ctx = mesh_ctx  # jaxmoe.sharding.MeshContext or None (single device)
+        self.mesh_ctx = mesh_ctx  # jaxmoe.mesh.MeshContext or None (single device)
 
     # -- set-up ---------------------------------------------------------------------------
     def _prepare_dir(self) -> None:
@@ -247,7 +128,9 @@ class Trainer:
 
         from jaxmoe.checkpoint import Checkpointer
         from jaxmoe.data import make_data
+        from jaxmoe.model.transformer import abstract_params, declared_groups, init_params
         from jaxmoe.optim import build_optimizer, lr_schedule
+        from jaxmoe.step import device_peak_flops, init_state, make_eval_step, make_train_step
 
         cfg = self.cfg
         self._prepare_dir()
@@ -261,13 +144,9 @@ class Trainer:
         ctx = self.mesh_ctx
         dispatch = ctx.dispatch if ctx is not None else None
 
-        from jaxmoe.model.transformer import abstract_params, init_params
-
         params, buffers = init_params(cfg, cfg.train.seed) if not self.resume else (None, None)
         if self.resume:  # build abstract shapes for restore without materialising twice
             params, buffers = abstract_params(cfg)
-        from jaxmoe.model.transformer import declared_groups
-
         tx = build_optimizer(cfg.train, params, declared_groups(cfg))
         if self.resume:
             state = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
@@ -486,7 +365,7 @@ def run(args) -> int:
     cfg, out = resolve_config(args)
     mesh_ctx = None
     if getattr(args, "mesh", None) or getattr(args, "coordinator", None) or _wants_mesh(cfg):
-        from jaxmoe.sharding import setup_from_args
+        from jaxmoe.mesh import setup_from_args
 
         cfg, mesh_ctx = setup_from_args(cfg, args)
     _check_data_path(cfg)

@@ -122,7 +122,8 @@ def build_config(opts: RunOptions) -> Config:
 def _mesh_batch_shards(spec: str | None) -> int:
     if not spec:
         return 1
-    from jaxmoe.sharding import BATCH_AXES, parse_mesh
+    from jaxmoe.mesh import parse_mesh
+    from jaxmoe.sharding import BATCH_AXES
 
     sizes = parse_mesh(spec)
     return math.prod(max(1, sizes.get(a, 1)) for a in BATCH_AXES)
@@ -739,7 +740,7 @@ def _ensure_devices(n: int) -> None:
 
 
 def mesh_devices(spec: str) -> int:
-    from jaxmoe.sharding import parse_mesh
+    from jaxmoe.mesh import parse_mesh
 
     sizes = parse_mesh(spec)
     fixed = math.prod(v for v in sizes.values() if v and v > 0)
@@ -760,7 +761,7 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
 
     ctx = None
     if opts.mesh:
-        from jaxmoe.sharding import build_context, parse_mesh
+        from jaxmoe.mesh import build_context, parse_mesh
 
         cfg, ctx = build_context(cfg, parse_mesh(opts.mesh))
 

@@ -29,16 +29,8 @@ import pytest
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
-from jaxmoe.sharding import (
-    AXES,
-    build_context,
-    declared_axes_flat,
-    logical_axes,
-    param_specs,
-    parse_mesh,
-    resolve_mesh_shape,
-    spec_for,
-)
+from jaxmoe.mesh import build_context, parse_mesh, resolve_mesh_shape
+from jaxmoe.sharding import AXES, declared_axes_flat, logical_axes, param_specs, spec_for
 from jax.sharding import PartitionSpec as P
 
 # --------------------------------------------------------------------------------------------

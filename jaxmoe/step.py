@@ -1,0 +1,127 @@
+"""One training step, jit-compiled: state, gradients, optimizer, guards, expert-bias update.
+
+``init_state`` builds a train state (a plain pytree, so that checkpoints and shardings see it
+whole); ``make_train_step`` the jitted step with donated state: the gradients of the training
+objective over the step's micro-batches (:func:`jaxmoe.objective.make_grad_fn`), global-norm
+clipping and the optimizer (:mod:`jaxmoe.optim`), a non-finite guard that skips the update, and
+the aux-loss-free expert-bias update on the expert counts summed over the whole step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmoe.config import Config
+from jaxmoe.losses import update_expert_bias
+from jaxmoe.model.transformer import init_params
+from jaxmoe.objective import make_grad_fn, model_loss
+
+
+# --------------------------------------------------------------------------------------------
+# State and step
+# --------------------------------------------------------------------------------------------
+
+
+def init_state(cfg: Config, tx, params=None, buffers=None) -> dict:
+    """A fresh training state (a plain pytree, so that checkpoints and shardings see it whole)."""
+
+    if params is None:
+        params, buffers = init_params(cfg, cfg.train.seed)
+    return {
+        "params": params,
+        "buffers": buffers,
+        "opt_state": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "rng": jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
+        "bad_steps": jnp.zeros((), jnp.int32),  # consecutive non-finite steps
+    }
+
+
+def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
+    """Build the jit-compiled train step ``step(state, batch) -> (state, metrics)``.
+
+    gradients (``make_grad_fn``) -> global-norm + finiteness check -> optimizer (clipping is part
+    of ``tx``) -> expert-bias update on the step's summed counts. A non-finite loss or gradient
+    keeps params, buffers and optimizer state unchanged and counts a bad step.
+    """
+
+    grads_fn = make_grad_fn(cfg, dispatch=dispatch)
+    use_bias = cfg.moe.use_expert_bias and cfg.model.n_moe_layers > 0
+
+    def step(state, batch):
+        params, buffers = state["params"], state["buffers"]
+        grads, metrics, counts = grads_fn(params, buffers, batch)
+        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+
+        updates, new_opt = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        new_buffers = buffers
+        if use_bias:
+            bias = buffers["moe"]["expert_bias"]
+            new_bias = update_expert_bias(bias, counts, cfg.moe.bias_update_rate)
+            new_buffers = {**buffers, "moe": {**buffers["moe"], "expert_bias": new_bias}}
+
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        new_state = {
+            "params": keep(new_params, params),
+            "buffers": keep(new_buffers, buffers),
+            "opt_state": keep(new_opt, state["opt_state"]),
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+            "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1).astype(jnp.int32),
+        }
+        metrics["grad_norm"] = grad_norm
+        metrics["skipped"] = ~finite
+        metrics["counts"] = counts
+        return new_state, metrics
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_step(cfg: Config, *, dispatch=None):
+
+    def ev(params, buffers, batch):
+        total, (metrics, _) = model_loss(cfg, params, buffers, batch, dispatch=dispatch)
+        return {"loss": total, "ce": metrics["ce"]}
+
+    return jax.jit(ev)
+
+
+# --------------------------------------------------------------------------------------------
+# Peak FLOP/s for MFU
+# --------------------------------------------------------------------------------------------
+
+# dense bf16 peak per device (FLOP/s), vendor figures
+_PEAK = {"h200": 989e12, "h100": 989e12, "gh200": 989e12, "a100": 312e12, "b200": 2250e12, "gb200": 2500e12}
+
+
+def device_peak_flops(dtype: str) -> tuple[float, str]:
+    """Peak FLOP/s of one device and where it came from (table for GPUs; measured on CPU)."""
+
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", "").lower()
+    for name, peak in _PEAK.items():
+        if name in kind.replace(" ", ""):
+            return (peak if dtype == "bfloat16" else peak / 2), f"table:{kind}"
+    # CPU (or unknown): measure a large fp32 matmul once; MFU is then relative to that.
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        out = f(a)
+    out.block_until_ready()
+    dt = (time.perf_counter() - t0) / reps
+    return 2 * n**3 / dt, f"measured-matmul:{kind or dev.platform}"
+
+
+__all__ = ["device_peak_flops", "init_state", "make_eval_step", "make_train_step"]
