@@ -20,8 +20,8 @@ COMMANDS = {
     "count": (None, "analytic total / active parameter counts of a preset"),
     "plot": ("jaxmoe.plot", "write PNG plots from a training run's metrics.jsonl"),
     "tokenizer": ("jaxmoe.data", "train a byte-level BPE tokenizer.json on text files"),
-    "convert": ("jaxmoe.port.convert", "convert checkpoints between hf:, orbax: and torch:"),
-    "logits": ("jaxmoe.port.convert", "write the fp32 logits a checkpoint computes on tokens"),
+    "convert": ("jaxmoe.port.cli", "convert checkpoints between hf:, orbax: and torch:"),
+    "logits": ("jaxmoe.port.cli", "write the fp32 logits a checkpoint computes on tokens"),
     "parity": ("parity.cli", "run the jaxmoe vs torch_ref parity suite"),
 }
 

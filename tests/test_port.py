@@ -17,7 +17,8 @@ import pytest
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import hf_map
-from jaxmoe.port.convert import compare_logits, compute_logits, convert, parse_endpoint
+from jaxmoe.port.convert import convert, parse_endpoint
+from jaxmoe.port.logits import compare_logits, compute_logits
 from jaxmoe.port.safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,

@@ -1,0 +1,83 @@
+"""The ``jaxmoe convert`` and ``jaxmoe logits`` commands (loaded by :mod:`jaxmoe.cli`).
+
+Checkpoint flags (``--from`` / ``--to`` / ``--ckpt``) take the endpoints of
+:mod:`jaxmoe.port.sources`; the work is done by :func:`jaxmoe.port.convert.convert`,
+:func:`jaxmoe.port.logits.verify` and :func:`jaxmoe.port.logits.compute_logits`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from jaxmoe.errors import UserError
+from jaxmoe.port.convert import convert
+from jaxmoe.port.logits import compute_logits, verify
+from jaxmoe.port.safetensors_io import FLOAT_DTYPES
+from jaxmoe.port.sources import _shape, parse_endpoint
+
+
+def add_args_convert(p) -> None:
+    p.add_argument("--from", dest="src", required=True, metavar="SRC",
+                   help="hf:DIR | orbax:RUN_DIR | torch:FILE.safetensors")
+    p.add_argument("--to", dest="dst", required=True, metavar="DST",
+                   help="hf:DIR | orbax:RUN_DIR | torch:FILE.safetensors")
+    p.add_argument("--dtype", choices=sorted(FLOAT_DTYPES),
+                   help="output dtype of the weights (default: source dtype; float32 for orbax:)")
+    p.add_argument("--shard-size", help="hf: output shard size, e.g. 5GB or 500MB (default: one file)")
+    p.add_argument("--verify", action="store_true",
+                   help="compare source and destination logits on a probe batch; non-zero exit "
+                        "past tolerance")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--force", action="store_true", help="replace a non-empty DST")
+
+
+def run_convert(args) -> int:
+    src = parse_endpoint(args.src, "--from")
+    dst = parse_endpoint(args.dst, "--to")
+    stats = convert(src, dst, dtype=args.dtype, shard_size=args.shard_size, force=args.force)
+    rc = 0
+    if args.verify:
+        # bf16 tolerances apply when either side holds bf16 weights
+        dts = set(stats["dtype"]) | set(stats["src_dtype"])
+        key = "bfloat16" if "bfloat16" in dts else "float32"
+        stats["verify"] = verify(src, dst, key)
+        rc = 0 if stats["verify"]["ok"] else 1
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print(f"converted {stats['src']} -> {stats['dst']}: {stats['tensors']} tensors, "
+              f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.2f}s "
+              f"({stats['mb_per_s']:.0f} MB/s)")
+        if "verify" in stats:
+            v = stats["verify"]
+            print(f"verify ({v['src_framework']} vs {v['dst_framework']}, {v['tokens'][0]}x"
+                  f"{v['tokens'][1]} tokens): max|dlogit| {v['max_abs']:.3g}, KL {v['kl']:.3g}, "
+                  f"top-1 agreement {v['top1']:.3f} -> {'OK' if v['ok'] else 'FAILED'} "
+                  f"(tolerance KL <= {v['tolerance']['kl']:g}, max abs <= "
+                  f"{v['tolerance']['max_abs']:g})")
+    return rc
+
+
+def add_args_logits(p) -> None:
+    p.add_argument("--ckpt", required=True, help="hf:DIR | orbax:RUN_DIR | torch:FILE.safetensors")
+    p.add_argument("--tokens", required=True, help="int token ids .npy, shape [batch, seq]")
+    p.add_argument("--out", required=True, help="output .npy: fp32 logits [batch, seq, vocab]")
+    p.add_argument("--framework", choices=("jax", "torch"), default="jax",
+                   help="run jaxmoe (jax) or torch_ref (torch)")
+
+
+def run_logits(args) -> int:
+    ep = parse_endpoint(args.ckpt, "--ckpt")
+    try:
+        tokens = np.load(args.tokens, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--tokens {args.tokens}: cannot read .npy ({e})") from None
+    logits = compute_logits(ep, tokens, args.framework)
+    np.save(args.out, logits.astype(np.float32))
+    print(f"wrote {args.out}: logits {_shape(logits.shape)} float32 ({args.framework})")
+    return 0
+
+
+__all__ = ["add_args_convert", "add_args_logits", "run_convert", "run_logits"]

@@ -1,0 +1,185 @@
+"""Running a checkpoint: fp32 logits in jaxmoe, torch_ref or HF transformers; ``--verify``.
+
+:func:`compute_logits` runs any endpoint (see :mod:`jaxmoe.port.sources`) in one framework,
+converted first (:func:`jaxmoe.port.convert.convert`) when that framework reads another kind.
+``jaxmoe convert --verify`` then runs the source and destination checkpoints in two frameworks on
+a fixed probe batch and compares logits (:func:`compare_logits`, tolerances in :data:`TOLERANCES`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from jaxmoe.archs import get_arch
+from jaxmoe.config import Config, load_config
+from jaxmoe.errors import UserError
+from jaxmoe.port.convert import convert, load_numpy_tree
+from jaxmoe.port.sources import Endpoint, TensorSource, _shape
+
+# Logit comparison tolerances for --verify. fp32 on both sides: the two frameworks compute the
+# same math in a different order. bfloat16: the weights themselves are rounded to 8 mantissa
+# bits (relative error up to 2**-9 per weight), which moves logits by ~1e-2 on the tiny presets;
+# top-1 agreement is reported but not gated (random-init models have many near-ties).
+TOLERANCES = {
+    "float32": {"kl": 1e-6, "max_abs": 1e-4},
+    "bfloat16": {"kl": 1e-3, "max_abs": 5e-2},
+}
+PROBE_SHAPE = (2, 16)
+PROBE_SEED = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Running a checkpoint: logits in jaxmoe, torch_ref or HF transformers
+# --------------------------------------------------------------------------------------------
+
+
+def check_tokens(tokens: np.ndarray, cfg: Config, what: str = "tokens") -> np.ndarray:
+    tokens = np.asarray(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or tokens.size == 0:
+        raise UserError(f"{what}: expected token ids of shape [batch, seq], got {_shape(tokens.shape)}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"{what}: token ids must be integers, got {tokens.dtype}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= cfg.model.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise UserError(f"{what}: token id {bad} is outside the vocabulary "
+                        f"[0, {cfg.model.vocab_size}) of this checkpoint")
+    if tokens.shape[1] > cfg.model.max_seq_len:
+        raise UserError(f"{what}: sequence length {tokens.shape[1]} exceeds model.max_seq_len="
+                        f"{cfg.model.max_seq_len}")
+    return tokens.astype(np.int32)
+
+
+def _jax_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
+    # late: each runner imports only its own framework (heavy; torch, transformers optional)
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmoe.model.transformer import apply_model
+
+    cfg, params, buffers = load_numpy_tree(ep)
+    check_tokens(tokens, cfg)
+    params = jax.tree.map(jnp.asarray, params)
+    buffers = jax.tree.map(jnp.asarray, buffers)
+    logits, _aux = apply_model(cfg, params, buffers, jnp.asarray(tokens))
+    return np.asarray(logits, dtype=np.float32)
+
+
+def _as_file(ep: Endpoint, kind: str, tmpdir: str) -> Endpoint:
+    """``ep`` itself when it already is of ``kind``, else a float32 copy converted into tmpdir."""
+    if ep.kind == kind:
+        return ep
+    name = "model.safetensors" if kind == "torch" else "hf"
+    out = Endpoint(kind, Path(tmpdir) / name)
+    convert(ep, out, dtype="float32", log=lambda m: None)
+    return out
+
+
+def _torch_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    from torch_ref import hf_io
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if ep.kind == "hf":
+            cfg, model = hf_io.load_hf(str(ep.path))
+        else:
+            ep = _as_file(ep, "torch", tmp)
+            cfg = TensorSource(ep).cfg
+            model = hf_io.load_torch(str(ep.path), cfg)
+        check_tokens(tokens, cfg)
+        model = model.float().eval()
+        with torch.no_grad():
+            out = model(torch.from_numpy(np.asarray(tokens, np.int64)))
+    logits = out[0] if isinstance(out, (tuple, list)) else out
+    return logits.float().numpy()
+
+
+def _hf_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ep = _as_file(ep, "hf", tmp)
+        cfg = TensorSource(ep).cfg
+        check_tokens(tokens, cfg)
+        cls = getattr(transformers, get_arch(cfg.model.hf_arch).hf_class)
+        model = cls.from_pretrained(str(ep.path), dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(input_ids=torch.from_numpy(np.asarray(tokens, np.int64))).logits
+    return logits.float().numpy()
+
+
+FRAMEWORKS = {"jax": _jax_logits, "torch": _torch_logits, "hf": _hf_logits}
+
+
+def compute_logits(ep: Endpoint, tokens: np.ndarray, framework: str = "jax") -> np.ndarray:
+    """fp32 logits [batch, seq, vocab] of checkpoint ``ep`` on ``tokens`` in ``framework``."""
+    if framework not in FRAMEWORKS:
+        raise UserError(f"--framework {framework!r}: choose {', '.join(FRAMEWORKS)}")
+    return FRAMEWORKS[framework](ep, np.asarray(tokens))
+
+
+def _available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def compare_logits(ref: np.ndarray, out: np.ndarray) -> dict:
+    """max |ref - out|, mean KL(softmax(ref) || softmax(out)) per position, top-1 agreement."""
+    a = np.asarray(ref, np.float64)
+    b = np.asarray(out, np.float64)
+    if a.shape != b.shape:
+        raise UserError(f"logit shapes differ: {_shape(a.shape)} vs {_shape(b.shape)}")
+    la = a - a.max(-1, keepdims=True)
+    la -= np.log(np.exp(la).sum(-1, keepdims=True))
+    lb = b - b.max(-1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
+    kl = (np.exp(la) * (la - lb)).sum(-1)
+    return {
+        "max_abs": float(np.abs(a - b).max()),
+        "kl": float(max(kl.mean(), 0.0)),
+        "top1": float((a.argmax(-1) == b.argmax(-1)).mean()),
+    }
+
+
+def verify(src: Endpoint, dst: Endpoint, dtype: str) -> dict:
+    """Run source and destination on a fixed probe batch; figures + pass/fail vs TOLERANCES.
+
+    Source framework: HF transformers when SRC is hf: and transformers is installed, else
+    torch_ref. Destination framework: jaxmoe for orbax:, torch_ref for torch:/hf:. Where
+    torch_ref is not importable, HF transformers stands in for it.
+    """
+    has_torch_ref = _available("torch_ref.hf_io")
+    has_hf = _available("transformers")
+    torch_fw = "torch" if has_torch_ref else "hf"
+    src_fw = "hf" if (src.kind == "hf" and has_hf) else torch_fw
+    dst_fw = "jax" if dst.kind == "orbax" else torch_fw
+    cfg = (load_config(path=dst.path / "config.toml") if dst.kind == "orbax"
+           else TensorSource(dst).cfg)
+    rng = np.random.default_rng(PROBE_SEED)
+    tokens = rng.integers(0, cfg.model.vocab_size, PROBE_SHAPE).astype(np.int32)
+    ref = compute_logits(src, tokens, src_fw)
+    out = compute_logits(dst, tokens, dst_fw)
+    figures = compare_logits(ref, out)
+    tol = TOLERANCES[dtype]
+    figures.update({
+        "src_framework": src_fw, "dst_framework": dst_fw, "tokens": list(PROBE_SHAPE),
+        "tolerance": tol,
+        "ok": bool(figures["kl"] <= tol["kl"] and figures["max_abs"] <= tol["max_abs"]),
+    })
+    return figures
+
+
+__all__ = [
+    "PROBE_SEED", "PROBE_SHAPE", "TOLERANCES", "check_tokens", "compare_logits", "compute_logits",
+    "verify",
+]
