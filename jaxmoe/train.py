@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxmoe.config import Config, config_to_toml, flops_per_token, load_config
-from jaxmoe.errors import ConfigError, UserError
+from jaxmoe.errors import UserError
 
 
 _LAZY = {"make_grad_fn": "objective", "router_stats": "objective", "split_micro_batches": "objective",

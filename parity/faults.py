@@ -57,7 +57,7 @@ class Fault:
     weight_edit: Callable = _no_edit  # (torch model, {"counts": jax counts [Lm, E]}) -> None
     extra: dict = field(default_factory=dict)
 
-    # -- the hooks parity.runner.TorchSide calls --------------------------------------------
+    # -- the hooks parity.sides.TorchSide calls ---------------------------------------------
     def torch_config(self, cfg):
         cfg = copy.deepcopy(cfg)
         self.config_edit(cfg)

@@ -6,7 +6,7 @@ measurement (command and measured worst value in the comment beside it) and is a
 measurement allows with a safety margin of roughly 3-10x, so a real numerics bug shows up while
 run-to-run noise (different reduction orders in XLA and ATen) does not.
 
-Metric definitions (parity.runner computes them):
+Metric definitions (parity.checks computes them):
 
 * routing: top-k index *sets* per token must match exactly; a mismatch is a *near-tie* when the
   selection-score gap at the decision boundary (k-th vs (k+1)-th selection score, and for grouped
@@ -48,7 +48,7 @@ class Tolerances:
     step_param_rel_l2: float
     step_bias_abs: float
     # parameters of experts whose routing flipped during the N steps (and their layer's router):
-    # see parity.runner.compare_steps for why and the measurement
+    # see parity.checks.compare_steps for why and the measurement
     step_flip_rel_l2: float = 1e-1
 
     def to_dict(self) -> dict:

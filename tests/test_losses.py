@@ -10,6 +10,7 @@ from jaxmoe.losses import (
     weigh_terms,
     cross_entropy,
     load_balance_loss,
+    router_losses,
     router_z_loss,
     seq_aux_loss,
     update_expert_bias,
@@ -99,3 +100,12 @@ def test_compute_loss_weights_terms():
     np.testing.assert_allclose(total, ce + 0.5 * z + 0.75 + 0.625 + 14.0, rtol=1e-6)
     assert set(m) == {"loss", "ce", "z_loss", "lb", "seq_aux", "router_z"}
     np.testing.assert_allclose([m["ce"], m["z_loss"], m["lb"]], [ce, z, 3.0], rtol=1e-6)
+    # compute_loss: the same weighting of the router losses of a routing record (one layer)
+    e, k, t = cfg.moe.n_experts, cfg.moe.top_k, 6
+    rlogits = jnp.asarray(RNG.normal(size=(1, t, e)).astype(np.float32))
+    scores = jax.nn.softmax(rlogits, -1)
+    router = {"logits": rlogits, "scores": scores, "topk_idx": jax.lax.top_k(scores, k)[1]}
+    total2, m2 = compute_loss(cfg, logits, {"router": router}, batch)
+    rl2 = router_losses(cfg, router, 2, 3)
+    np.testing.assert_allclose(total2, weigh_terms(cfg, ce, z, rl2)[0], rtol=1e-6)
+    assert float(m2["lb"]) > 0 and float(m2["router_z"]) > 0

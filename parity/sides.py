@@ -1,0 +1,335 @@
+"""The two sides of a parity run (jaxmoe and torch_ref) and what they share.
+
+* **Numerics set-up** (:func:`setup_numerics`): ``jax_default_matmul_precision="highest"``, torch
+  TF32 off (both default to faster modes on GPUs; parity needs them pinned).
+* **Weights, built once** (:func:`init_weights`): ``jaxmoe.model.transformer.init_params(cfg,
+  seed)``; the expert bias (when the model has one) is randomised so that it really changes
+  expert selection. The same arrays go to torch_ref through ``jaxmoe.port.hf_map``
+  (:func:`to_hf`: jaxmoe layout -> HF names, [in, out] -> [out, in]) and
+  ``load_state_dict(strict=True)``.
+* **Batches** (:func:`make_batches`): random tokens from a seeded numpy generator, targets = next
+  token, a few padded (mask 0) positions so that the valid-token normalisation is exercised.
+* **The sides**: :class:`JaxSide` and :class:`TorchSide`, each with ``forward`` (probes and
+  losses), ``grads`` (by HF name) and ``train`` (N optimizer steps).
+
+Faults for the self-test (:mod:`parity.faults`) hook into the torch side only, through the
+``fault`` argument (a config copy, a monkeypatch context, a weight edit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from jaxmoe.config import Config
+from jaxmoe.port.hf_map import ZERO, entries, flatten
+
+# jax, torch, torch_ref and the jaxmoe modules that import jax at import time are imported inside
+# the functions that use them ("late" below): `import parity.runner` must not import jax or torch,
+# so that `python -m parity --help` is instant and `--mesh` can set XLA_FLAGS before jax starts.
+
+
+# --------------------------------------------------------------------------------------------
+# Numerics set-up, weights and batches
+# --------------------------------------------------------------------------------------------
+
+
+def setup_numerics() -> None:
+    """Pin matmul precision on both sides (GPUs default to TF32-like modes)."""
+    import jax  # late: jax and torch (see the note on imports)
+    import torch
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def init_weights(cfg: Config, seed: int, randomize_bias: bool = True):
+    """``(params, buffers)`` from jaxmoe's ``init_params``; the expert bias (if any) randomised
+    (normal, std 0.03: comparable to the spread of sigmoid scores at init, so it changes which
+    experts are selected) with a generator seeded by ``seed``."""
+    import jax.numpy as jnp  # late: jax (see the note on imports)
+
+    from jaxmoe.model.transformer import init_params
+
+    params, buffers = init_params(cfg, seed)
+    if randomize_bias and buffers.get("moe", {}).get("expert_bias") is not None:
+        bias = buffers["moe"]["expert_bias"]
+        rng = np.random.default_rng(seed + 12345)
+        new = rng.normal(0.0, 0.03, size=bias.shape).astype(np.float32)
+        buffers = {**buffers, "moe": {**buffers["moe"], "expert_bias": jnp.asarray(new)}}
+    return params, buffers
+
+
+def to_hf(cfg: Config, params, buffers=None, *, with_buffers: bool = True) -> dict[str, np.ndarray]:
+    """jaxmoe params/buffers (nested dicts) -> {HF name: fp32 numpy array [out, in]}.
+
+    Uses the one mapping table (``jaxmoe.port.hf_map.entries``); HF-only tensors that jaxmoe
+    does not hold (a DeepSeek-V3 bias without ``use_expert_bias``) are zeros. With
+    ``with_buffers=False`` buffer rows are skipped (used to name gradients)."""
+    flat = {"params/" + k: v for k, v in flatten(params).items()}
+    if buffers:
+        flat.update({"buffers/" + k: v for k, v in flatten(buffers).items()})
+    cache: dict[str, np.ndarray] = {}
+    out = {}
+    for ent in entries(cfg):
+        if ent.key == ZERO or ent.key.startswith("buffers/"):
+            if with_buffers:
+                src = np.zeros(ent.hf_shape, np.float32) if ent.key == ZERO else None
+                if src is None:
+                    if ent.key not in cache:
+                        cache[ent.key] = np.asarray(flat[ent.key], dtype=np.float32)
+                    src = cache[ent.key][ent.index]
+                out[ent.hf_name] = np.ascontiguousarray(src)
+            continue
+        if ent.key not in cache:
+            cache[ent.key] = np.asarray(flat[ent.key], dtype=np.float32)
+        a = cache[ent.key][ent.index] if ent.index else cache[ent.key]
+        out[ent.hf_name] = np.ascontiguousarray(a.T if ent.transpose else a)
+    return out
+
+
+def make_batches(cfg: Config, n: int, seed: int) -> list[dict]:
+    """``n`` batches ``{"inputs", "targets" int32 [B, S], "mask" f32 [B, S]}`` of random tokens
+    (targets = the next token); the last 3 positions of the last row are padding (mask 0)."""
+    rng = np.random.default_rng(seed + 777)
+    b, s, v = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    out = []
+    for _ in range(max(1, n)):
+        toks = rng.integers(0, v, size=(b, s + 1), dtype=np.int64).astype(np.int32)
+        mask = np.ones((b, s), np.float32)
+        mask[-1, -3:] = 0.0
+        out.append({"inputs": toks[:, :-1].copy(), "targets": toks[:, 1:].copy(), "mask": mask})
+    return out
+
+
+def torch_batch(batch: dict) -> dict:
+    import torch  # late: torch (see the note on imports)
+
+    return {
+        "inputs": torch.from_numpy(batch["inputs"].astype(np.int64)),
+        "targets": torch.from_numpy(batch["targets"].astype(np.int64)),
+        "mask": torch.from_numpy(batch["mask"]),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The two sides
+# --------------------------------------------------------------------------------------------
+
+
+def _np(x) -> np.ndarray:
+    """jax / torch / numpy -> numpy (fp32 and int kept; bf16 widened to fp32)."""
+    try:
+        import torch  # late, and optional here: jax and numpy inputs need no torch
+
+        if isinstance(x, torch.Tensor):
+            x = x.detach()
+            if x.dtype == torch.bfloat16:
+                x = x.float()
+            return x.cpu().numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    a = np.asarray(x)
+    if a.dtype.kind == "V" or str(a.dtype) == "bfloat16":
+        a = a.astype(np.float32)
+    return a
+
+
+def _tree_np(tree):
+    if isinstance(tree, dict):
+        return {k: _tree_np(v) for k, v in tree.items()}
+    return _np(tree)
+
+
+class JaxSide:
+    """jaxmoe: jitted forward (with probes), gradients, train steps; optionally on a mesh."""
+
+    def __init__(self, cfg: Config, params, buffers, mesh_ctx=None):
+        import jax  # late: jax (see the note on imports)
+
+        from jaxmoe.model.transformer import apply_model
+
+        self.cfg, self.ctx = cfg, mesh_ctx
+        self.dispatch = mesh_ctx.dispatch if mesh_ctx is not None else None
+        self.params0, self.buffers0 = params, buffers
+        if mesh_ctx is not None:
+            params = mesh_ctx.place_params(params)
+            buffers = mesh_ctx.place_params(buffers) if buffers else buffers
+        self.params, self.buffers = params, buffers
+        disp = self.dispatch
+
+        def fwd(p, b, tokens, forced):
+            return apply_model(cfg, p, b, tokens, forced_idx=forced, return_probes=True, dispatch=disp)
+
+        self._fwd = jax.jit(fwd)
+
+    def batch(self, batch: dict) -> dict:
+        import jax.numpy as jnp  # late: jax (see the note on imports)
+
+        if self.ctx is not None:
+            return self.ctx.place_batch(batch)
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+
+    def forward(self, batch: dict, forced=None) -> dict:
+        """-> {"logits", "aux"} as numpy, plus "losses" from ``jaxmoe.losses.compute_loss``."""
+        import jax.numpy as jnp  # late: jax (see the note on imports)
+
+        from jaxmoe.losses import compute_loss
+
+        jb = self.batch(batch)
+        f = None if forced is None else jnp.asarray(forced, jnp.int32)
+        logits, aux = self._fwd(self.params, self.buffers, jb["inputs"], f)
+        _, metrics = compute_loss(self.cfg, logits, aux, jb)
+        return {"logits": _np(logits), "aux": _tree_np(aux), "losses": {k: float(v) for k, v in metrics.items()}}
+
+    def grads(self, batch: dict, forced=None) -> dict[str, np.ndarray]:
+        """Gradients by HF name, from the training path itself: ``make_grad_fn`` (micro-batch
+        accumulation included), with ``forced_idx`` when a routing is replayed."""
+        import jax  # late: jax (see the note on imports)
+        import jax.numpy as jnp
+
+        from jaxmoe.objective import make_grad_fn
+
+        cfg = self.cfg
+        jb = self.batch(batch)
+        f = None if forced is None else jnp.asarray(forced, jnp.int32)
+        grads, _, _ = jax.jit(make_grad_fn(cfg, dispatch=self.dispatch))(self.params, self.buffers, jb, f)
+        return to_hf(cfg, _tree_np(grads), with_buffers=False)
+
+    def train(self, batches: list[dict]) -> dict:
+        """N steps of ``make_train_step``; -> {"losses": [...], "params": HF dict, "bias": [Lm, E]}."""
+        from jaxmoe.model.transformer import declared_groups  # late: jax (see the note on imports)
+        from jaxmoe.optim import build_optimizer
+        from jaxmoe.step import init_state, make_train_step
+
+        cfg = self.cfg
+        tx = build_optimizer(cfg.train, self.params0, declared_groups(cfg))
+        state = init_state(cfg, tx, self.params0, self.buffers0)
+        if self.ctx is not None:
+            state = self.ctx.place_state(state)
+        step = make_train_step(cfg, tx, dispatch=self.dispatch, donate=False)
+        losses, counts = [], []
+        for b in batches:
+            state, m = step(state, self.batch(b))
+            losses.append(float(m["loss"]))
+            counts.append(np.rint(_np(m["counts"])).astype(np.int64))
+        params, buffers = _tree_np(state["params"]), _tree_np(state["buffers"])
+        bias = buffers.get("moe", {}).get("expert_bias")
+        return {"losses": losses, "params": to_hf(cfg, params, with_buffers=False), "bias": bias,
+                "counts": counts}
+
+
+def split_rows(batch: dict, n: int) -> list[dict]:
+    size = batch["inputs"].shape[0] // n
+    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(n)]
+
+
+def split_forced(forced: np.ndarray, cfg: Config, n: int) -> list[np.ndarray]:
+    """forced_idx ``[Lm, B*S, k]`` (row-major tokens) -> per micro-batch ``[Lm, (B/n)*S, k]``."""
+    lm, _, k = forced.shape
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    f = np.asarray(forced).reshape(lm, b, s, k)
+    size = b // n
+    return [f[:, i * size:(i + 1) * size].reshape(lm, size * s, k) for i in range(n)]
+
+
+class TorchSide:
+    """torch_ref on the same weights; ``fault`` (parity.faults) may alter it."""
+
+    def __init__(self, cfg: Config, hf: dict[str, np.ndarray], fault=None, jax_info=None):
+        import torch  # late: torch (see the note on imports)
+
+        self.fault = fault
+        self.cfg = fault.torch_config(cfg) if fault is not None else cfg
+        torch.manual_seed(self.cfg.train.seed)
+        self.hf = hf
+        self.jax_info = jax_info  # what a fault may need to pick its target (e.g. expert counts)
+        self.model = self._build()
+
+    def _build(self):
+        import torch  # late: torch (see the note on imports)
+
+        from torch_ref.transformer import TorchTransformer
+
+        model = TorchTransformer(self.cfg, seed=self.cfg.train.seed)
+        state = {k: torch.from_numpy(v.copy()) for k, v in self.hf.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"torch_ref state_dict does not match the HF map: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+        if self.fault is not None:
+            self.fault.edit_weights(model, self.jax_info)
+        return model
+
+    def patched(self):
+        return self.fault.patch() if self.fault is not None else contextlib.nullcontext()
+
+    def forward(self, batch: dict, forced=None) -> dict:
+        import torch  # late: torch (see the note on imports)
+
+        from torch_ref.losses import compute_loss
+
+        tb = torch_batch(batch)
+        f = None if forced is None else torch.from_numpy(np.asarray(forced).astype(np.int64))
+        with self.patched(), torch.no_grad():
+            logits, aux = self.model(tb["inputs"], forced_idx=f, return_probes=True)
+            _, metrics = compute_loss(self.cfg, logits, aux, tb)
+        return {"logits": _np(logits), "aux": _tree_np(aux), "losses": dict(metrics)}
+
+    def grads(self, batch: dict, forced=None) -> dict[str, np.ndarray]:
+        import torch  # late: torch (see the note on imports)
+
+        from torch_ref.losses import loss_terms, weighted_total
+        from torch_ref.train import accumulate_gradients
+
+        cfg, model = self.cfg, self.model
+        model.zero_grad(set_to_none=True)
+        tb = torch_batch(batch)
+        with self.patched():
+            if forced is None:
+                accumulate_gradients(model, tb, cfg)
+            else:
+                n = cfg.train.micro_batches
+                n_valid = ((tb["mask"] > 0) & (tb["targets"] >= 0)).sum().clamp(min=1)
+                for mb, fi in zip(split_rows(tb, n), split_forced(forced, cfg, n)):
+                    logits, aux = model(mb["inputs"], forced_idx=torch.from_numpy(fi.astype(np.int64)))
+                    terms = loss_terms(cfg, logits, aux, mb, n_valid=n_valid)
+                    weighted_total(cfg, terms, aux_scale=1.0 / n).backward()
+        out = {}
+        for name, p in model.named_parameters():
+            out[name] = np.zeros(tuple(p.shape), np.float32) if p.grad is None else _np(p.grad).astype(np.float32)
+        model.zero_grad(set_to_none=True)
+        return out
+
+    def train(self, batches: list[dict]) -> dict:
+        """N ``torch_ref.train.train_step`` calls on a fresh copy of the initial weights."""
+        from torch_ref.train import make_optimizer, make_scheduler, train_step  # late: torch (see the note on imports)
+
+        model = self._build()  # fresh weights: forward/grad checks must not leak into training
+        opt = make_optimizer(model, self.cfg)
+        sched = make_scheduler(opt, self.cfg)
+        # expert counts of each step, captured from the MoE blocks' aux (train_step returns none)
+        seen: list = []
+        blocks = model.moe_blocks()
+        hooks = [blk.register_forward_hook(lambda mod, inp, out, j=j: seen.append((j, _np(out[1]["counts"]))))
+                 for j, blk in enumerate(blocks)]
+        losses, counts = [], []
+        try:
+            with self.patched():
+                for b in batches:
+                    seen.clear()
+                    losses.append(float(train_step(model, opt, sched, torch_batch(b), self.cfg)["loss"]))
+                    c = np.zeros((len(blocks), self.cfg.moe.n_experts), np.int64)
+                    for j, cj in seen:
+                        c[j] += cj.astype(np.int64)
+                    counts.append(c)
+        finally:
+            for h in hooks:
+                h.remove()
+        params = {n: _np(p).astype(np.float32) for n, p in model.named_parameters()}
+        biases = model.expert_biases()
+        bias = np.stack([_np(b) for b in biases]) if biases else None
+        return {"losses": losses, "params": params, "bias": bias, "counts": counts}
