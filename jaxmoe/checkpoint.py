@@ -381,6 +381,28 @@ class Checkpointer:
             ) from None
         return _rewrap_keys(out[_STATE], target), dict(out[_META] or {})
 
+    def restore_newest_good(self, target, *, log=None) -> tuple[Any, dict, int, list[str]]:
+        """Restore the newest checkpoint that restores cleanly onto ``target``.
+
+        Returns ``(state, meta, step, skipped)``; every newer checkpoint that failed is reported
+        through ``log`` (and listed in ``skipped``) with why. One-line UserError when none
+        restores."""
+        skipped: list[str] = []
+        steps = self.all_steps()
+        if not steps:
+            raise UserError(f"no checkpoints in {self.directory}")
+        for step in reversed(steps):
+            try:
+                state, meta = self.restore(target, step)
+            except UserError as e:
+                skipped.append(f"checkpoint {step} skipped: {e}")
+                continue
+            for msg in skipped if log is not None else ():
+                log(msg)
+            return state, meta, step, skipped
+        raise UserError(f"none of the checkpoints in {self.directory} restores (steps "
+                        f"{', '.join(map(str, steps))}); the newest failed with: {skipped[0]}")
+
     def restore_subtree(self, keys: tuple[str, ...], step: int | None = None) -> tuple[dict, dict]:
         """Restore only the top-level entries ``keys`` of a dict state, unsharded, without
         knowing the rest of its structure (e.g. params without the optimizer state)."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import threading
 
 from jaxmoe.config import ConfigError, count_params, human, list_presets, load_config
 from jaxmoe.errors import UserError
@@ -111,7 +113,10 @@ def main(argv=None) -> int:
         sys.stderr.close()
         return 0
     except KeyboardInterrupt:
-        print(f"jaxmoe {args.command}: interrupted", file=sys.stderr)
+        print(f"jaxmoe {args.command}: aborted", file=sys.stderr, flush=True)
+        if args.command == "train" and threading.active_count() > 1:
+            # an unfinished asynchronous save's worker threads would keep the process alive
+            os._exit(130)
         return 130
 
 

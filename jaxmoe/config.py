@@ -235,7 +235,21 @@ def validate(cfg: Config) -> Config:
     _positive(cfg, "model", "first_k_dense", allow_zero=True)
     _positive(cfg, "moe", "n_experts", "top_k", "expert_ffn_dim", "n_groups", "topk_groups")
     _positive(cfg, "moe", "n_shared_experts", allow_zero=True)
-    _positive(cfg, "train", "batch_size", "seq_len", "micro_batches", "steps")
+    _positive(cfg, "train", "batch_size", "seq_len", "micro_batches", "steps", "log_every",
+              "max_bad_steps")
+    _positive(cfg, "train", "checkpoint_every", "keep_checkpoints", "eval_every", "warmup_steps",
+              "muon_ns_steps", allow_zero=True)
+    if t.eval_every > 0 and t.eval_batches <= 0:
+        raise ConfigError(f"train.eval_batches={t.eval_batches} must be > 0 when train.eval_every="
+                          f"{t.eval_every} > 0 (or set train.eval_every=0 to turn evaluation off)")
+    for k in ("checkpoint_minutes", "weight_decay", "muon_weight_decay", "grad_clip", "z_loss_coef",
+              "eps", "muon_eps"):
+        if getattr(t, k) < 0:
+            raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
+    if not 0 <= t.beta1 < 1 or not 0 <= t.beta2 < 1 or not 0 <= t.muon_momentum < 1:
+        raise ConfigError("train.beta1, train.beta2 and train.muon_momentum must be in [0, 1)")
+    if not 0 <= t.min_lr_ratio <= 1 or not 0 <= t.wsd_decay_frac <= 1:
+        raise ConfigError("train.min_lr_ratio and train.wsd_decay_frac must be in [0, 1]")
     if m.first_k_dense > m.n_layers:
         raise ConfigError(
             f"model.first_k_dense={m.first_k_dense} exceeds model.n_layers={m.n_layers}"

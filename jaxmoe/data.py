@@ -154,7 +154,11 @@ def _token_file(path: Path) -> np.ndarray:
     if not path.is_file():
         raise UserError(f"token file {path} does not exist (train.data=tokens:PATH)")
     if path.suffix == ".npy":
-        arr = np.load(path, mmap_mode="r")
+        try:  # object arrays need pickle (refused), truncated files fail to map: both bad input
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise UserError(f"token file {path}: not a readable .npy token array "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         if arr.dtype not in (np.uint16, np.uint32) or arr.ndim != 1:
             raise UserError(
                 f"token file {path}: expected a 1-D uint16 or uint32 array, got {arr.ndim}-D {arr.dtype}"

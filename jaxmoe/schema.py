@@ -157,9 +157,13 @@ class TrainConfig:
     eval_every: int = 20
     eval_batches: int = 2
     log_every: int = 1
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # save every N steps (0: by time, see checkpoint_minutes)
+    checkpoint_minutes: float = 30.0  # when checkpoint_every is 0: save about this often (0: off)
     keep_checkpoints: int = 3
     max_bad_steps: int = 3
+    # fetch step n's metrics while step n+1 runs and prepare batches on a thread; false: the
+    # synchronous loop (the same losses bit for bit; for comparison and debugging)
+    async_loop: bool = True
 
 
 SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "mesh": MeshConfig, "train": TrainConfig}

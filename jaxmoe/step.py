@@ -45,8 +45,9 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
     """Build the jit-compiled train step ``step(state, batch) -> (state, metrics)``.
 
     gradients (``make_grad_fn``) -> global-norm + finiteness check -> optimizer (clipping is part
-    of ``tx``) -> expert-bias update on the step's summed counts. A non-finite loss or gradient
-    keeps params, buffers and optimizer state unchanged and counts a bad step.
+    of ``tx``) -> expert-bias update on the step's summed counts. A non-finite loss, gradient or
+    *update* (e.g. a non-finite learning rate or optimizer state) keeps params, buffers and
+    optimizer state unchanged and counts a bad step (``metrics["bad_steps"]``: in a row).
     """
 
     grads_fn = make_grad_fn(cfg, dispatch=dispatch)
@@ -59,6 +60,8 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
 
         updates, new_opt = tx.update(grads, state["opt_state"], params)
+        # every entry, not the norm: a huge but finite update's squared norm overflows fp32
+        finite = finite & jax.tree.reduce(jnp.logical_and, jax.tree.map(lambda u: jnp.isfinite(u).all(), updates))
         new_params = optax.apply_updates(params, updates)
         new_buffers = buffers
         if use_bias:
@@ -80,6 +83,7 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
         metrics["grad_norm"] = grad_norm
         metrics["skipped"] = ~finite
         metrics["counts"] = counts
+        metrics["bad_steps"] = new_state["bad_steps"]
         return new_state, metrics
 
     return jax.jit(step, donate_argnums=(0,) if donate else ())
