@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 
 from jaxmoe.errors import UserError
 
@@ -108,9 +109,39 @@ def slurm_world() -> tuple[int, int] | None:
     return (int(os.environ["SLURM_PROCID"]), n) if n > 1 else None
 
 
+def _watchdog(timeout: float, coordinator: str, num_processes: int, process_id: int):
+    """A timer that ends the process with a one-line error if start-up has not finished in time.
+
+    jax.distributed.initialize waits for every process to register with the coordinator; when one
+    never comes, XLA aborts the whole process with a C++ stack trace after its own timeout. This
+    fires first (jax's timeout is set longer) and says who was waited for."""
+    import threading
+
+    if process_id == 0:
+        missing = [i for i in range(num_processes) if i != 0]
+        who = (f"process 0 (the coordinator, {coordinator}) waited {timeout:.0f}s for process ids "
+               f"{', '.join(map(str, missing))} of --num-processes {num_processes}; at least one "
+               "never connected")
+    else:
+        who = (f"process {process_id} could not complete start-up with the coordinator {coordinator} "
+               f"within {timeout:.0f}s (process 0, or another of the {num_processes} processes, "
+               "never connected)")
+
+    def fail():
+        print(f"jaxmoe: error: multi-host start-up timed out: {who}; start every process with the "
+              "same --coordinator and --num-processes (or raise --init-timeout)", file=sys.stderr,
+              flush=True)
+        os._exit(2)
+
+    t = threading.Timer(timeout, fail)
+    t.daemon = True
+    return t
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
-    """Start multi-process JAX. Returns True if this is a multi-process run."""
+               process_id: int | None = None, timeout: float = 300.0) -> bool:
+    """Start multi-process JAX. Returns True if this is a multi-process run. A process that does
+    not come within ``timeout`` seconds ends start-up with a one-line error (see _watchdog)."""
     import jax
 
     if jax.distributed.is_initialized():
@@ -123,7 +154,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if not 0 <= process_id < num_processes:
             raise UserError(f"--process-id {process_id} must be in [0, --num-processes={num_processes})")
         _use_gloo()
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        dog = _watchdog(timeout, coordinator, num_processes, process_id)
+        dog.start()
+        try:
+            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                       initialization_timeout=int(timeout) + 60)
+        finally:
+            dog.cancel()
         return num_processes > 1
     if slurm_world() is not None:
         _use_gloo()
@@ -131,6 +168,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return True
     if num_processes not in (None, 1):
         raise UserError("--num-processes > 1 needs --coordinator HOST:PORT (or a SLURM job step)")
+    if process_id not in (None, 0):
+        raise UserError("--process-id needs --coordinator HOST:PORT and --num-processes N")
     return False
 
 
@@ -139,6 +178,7 @@ def initialize_from_args(args) -> bool:
         getattr(args, "coordinator", None),
         getattr(args, "num_processes", None),
         getattr(args, "process_id", None),
+        timeout=getattr(args, "init_timeout", None) or 300.0,
     )
 
 

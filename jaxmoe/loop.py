@@ -184,22 +184,30 @@ class Trainer:
     def run(self) -> RunResult:
         cfg, rd = self.cfg, self.rd
         rd.check_target(resume=self.resume)
-        rd.lock()
-        try:
-            with Preemption(quiet=self.quiet) as preempt:
-                return self._run(preempt)
-        finally:
-            rd.unlock()
-
-    def _run(self, preempt: Preemption) -> RunResult:
-        cfg, rd = self.cfg, self.rd
-        self.cache_dir = compile_cache.enable(self.compile_cache_on)
         pidx, pcount = jax.process_index(), jax.process_count()
-        data = make_data(cfg, "train", process_index=pidx, process_count=pcount)
+        data = make_data(cfg, "train", process_index=pidx, process_count=pcount)  # bad data: before any write
         if data.vocab_size > cfg.model.vocab_size:
             raise UserError(f"data vocabulary ({data.vocab_size} ids) exceeds model.vocab_size="
                             f"{cfg.model.vocab_size}; use a model with a larger vocab (--set "
                             "model.vocab_size=N) or another tokenizer")
+        existed = rd.path.exists()
+        rd.lock()
+        try:
+            with Preemption(quiet=self.quiet) as preempt:
+                return self._run(preempt, data)
+        except UserError:
+            if not existed and not self.resume and rd.primary and not rd.ckpt_dir.exists():
+                import shutil  # a new run that failed before its first step leaves nothing behind
+
+                rd.unlock()
+                shutil.rmtree(rd.path, ignore_errors=True)
+            raise
+        finally:
+            rd.unlock()
+
+    def _run(self, preempt: Preemption, data) -> RunResult:
+        cfg, rd = self.cfg, self.rd
+        self.cache_dir = compile_cache.enable(self.compile_cache_on)
         tx = build_optimizer(cfg.train, abstract_params(cfg)[0], declared_groups(cfg))
         ckpt = Checkpointer(rd.ckpt_dir, keep=cfg.train.keep_checkpoints)
         aborted = False
@@ -208,8 +216,14 @@ class Trainer:
             if data_state is not None:
                 data.restore(data_state)
             if start >= self.stop_after:
-                raise UserError(f"the run in {self.out} is already at step {start}; pass a larger "
-                                "--steps to continue it")
+                if start > 0:
+                    raise UserError(f"the run in {self.out} is already at step {start}; pass a larger "
+                                    "--steps to continue it")
+                self._record(0)  # --stop-after 0: a recorded run that --resume starts at step 0
+                rd.write_record(status="stopped", last_step=0)
+                _log(f"stopped before step 1 (--stop-after 0); continue with: jaxmoe train --resume "
+                     f"--out {rd.path}")
+                return RunResult(steps_done=0, losses=[], out=self.out)
             dropped = rd.truncate_metrics(start)
             if dropped:
                 _log(f"metrics.jsonl: dropped {dropped} rows past step {start} (they are re-run)")
@@ -280,6 +294,7 @@ class Trainer:
                 stopped = self._finish(pending)
             if stopped:
                 exit_code = EXIT_STOPPED
+                ckpt.wait()  # an asynchronous save of an earlier step may still be committing
                 stopped += self._intact(ckpt)
             elif preempt.requested:
                 ckpt.wait()

@@ -80,6 +80,9 @@ class RunDir:
         if p.exists() and not p.is_dir():
             raise UserError(f"--out {p} is a file, not a directory; choose a directory path")
         _writable(p)
+        if (p / LOCK).exists():  # another trainer first: its PID is the useful thing to say
+            self.lock()
+            self.unlock()
         if resume:
             if not self.is_run():
                 what = "does not exist" if not p.exists() else "is not a jaxmoe run directory"
@@ -88,7 +91,7 @@ class RunDir:
             return
         if self.is_run():
             raise UserError(f"{p} already holds a run; pass --resume to continue it or choose another --out")
-        if p.is_dir() and any(p.iterdir()):
+        if p.is_dir() and any(q.name != LOCK for q in p.iterdir()):
             raise UserError(f"--out {p} is a non-empty directory that is not a jaxmoe run; choose an "
                             "empty or new directory")
 
@@ -97,9 +100,13 @@ class RunDir:
         """Hold ``OUT/.lock`` for this process's lifetime (primary only)."""
         if not self.primary or self._lock_fd is not None:
             return
-        self.path.mkdir(parents=True, exist_ok=True)
         f = self.path / LOCK
-        fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"--out {self.path}: cannot write there ({e.strerror}); choose a directory "
+                            "you can write") from None
         try:
             import fcntl
 

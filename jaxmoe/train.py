@@ -66,6 +66,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", help="multi-host: coordinator HOST:PORT for jax.distributed")
     p.add_argument("--num-processes", type=int, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, help="multi-host: this process's index")
+    p.add_argument("--init-timeout", type=float, default=300.0,
+                   help="multi-host: seconds to wait for every process at start-up (default 300)")
     p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this step, as if interrupted; "
                    "the LR schedule still spans --steps, so a later --resume continues the same run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
