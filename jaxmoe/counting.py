@@ -96,7 +96,9 @@ def human(n: float) -> str:
 
 
 def flops_per_token(cfg, seq_len: int | None = None) -> float:
-    """Approximate training FLOPs per token (6 * active matmul params + attention scores)."""
+    """Training FLOPs per token: 6 x the active matmul parameters (the input embedding is a lookup,
+    not a matmul; a tied embedding counts once, as the head) plus causal attention: per layer and
+    head, q.k and p.v over on average S/2 keys, 2 * (qk + v) * S / 2 forward, x3 with backward."""
     c = count_params(cfg)
     m = cfg.model
     s = seq_len or cfg.train.seq_len
@@ -105,8 +107,8 @@ def flops_per_token(cfg, seq_len: int | None = None) -> float:
         active_matmul += c["breakdown"]["embedding"]
     qk = m.q_head_dim
     v = m.v_head_dim if m.attention == "mla" else m.head_dim
-    attn = 2 * m.n_layers * m.n_heads * s * (qk + v)  # causal ~ half of full, fwd+bwd*3
-    return 6.0 * active_matmul + 3.0 * attn
+    attn_fwd = m.n_layers * m.n_heads * s * (qk + v)  # causal: half of the full 2 * S * (qk + v)
+    return 6.0 * active_matmul + 3.0 * attn_fwd
 
 
 __all__ = ["COUNT_METHOD", "count_params", "flops_per_token", "human"]

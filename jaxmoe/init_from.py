@@ -23,18 +23,18 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxmoe.config import Config, parse_override, validate
+from jaxmoe.config import Config, _apply, parse_override, validate
 from jaxmoe.errors import ConfigError, UserError
+from jaxmoe.model.transformer import abstract_params, model_declarations
+from jaxmoe.port import sources
 from jaxmoe.port.convert import open_source, parse_endpoint
-from jaxmoe.port.hf_map import unflatten
+from jaxmoe.port.hf_map import flatten, unflatten
 
 MODEL_SECTIONS = ("model", "moe")
 
 
 def _fingerprint(src) -> str:
     """A content fingerprint of the source (cheap at any size)."""
-    from jaxmoe.port import sources
-
     fn = getattr(sources, "source_fingerprint", None)
     if fn is not None:
         return fn(src.ep)
@@ -65,15 +65,11 @@ def config_from_source(base: Config, src, overrides) -> Config:
     for text in overrides:
         section, key, value = parse_override(text)
         if section in MODEL_SECTIONS:
-            from jaxmoe.config import _apply
-
             _apply(cfg, section, key, value)
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds the source model's "
                           f"max_position_embeddings={cfg.model.max_seq_len}; lower train.seq_len")
     validate(cfg)
-    from jaxmoe.model.transformer import model_declarations
-
     decl = model_declarations(cfg)
     for key, shape in src.shapes.items():
         path = key.split("/", 1)[1]
@@ -93,14 +89,10 @@ def load_weights(cfg: Config, src, shardings: dict | None = None) -> tuple[dict,
     (fp32), placed on its sharding (``shardings``: ``{"params": ..., "buffers": ...}`` trees, or
     None for the default device) and released before the next. Declared buffers the source lacks
     (an expert bias for a model that had none) start at their declared init (zeros)."""
-    from jaxmoe.model.transformer import abstract_params, model_declarations
-
     decl = model_declarations(cfg)
     abs_params, abs_buffers = abstract_params(cfg)
     flat_shard = {}
     if shardings is not None:
-        from jaxmoe.port.hf_map import flatten
-
         for top in ("params", "buffers"):
             flat_shard.update({f"{top}/{k}": v for k, v in flatten(dict(shardings.get(top) or {})).items()})
     out = {}

@@ -302,7 +302,7 @@ class Trainer:
                 stopped = (f"{preempt.signal_name}: saved checkpoint {saved_step} in {rd.ckpt_dir}; "
                            f"continue with: jaxmoe train --resume --out {rd.path}")
             status = {EXIT_STOPPED: "stopped", EXIT_PREEMPTED: "preempted"}.get(exit_code, "finished")
-            rd.write_record(status=status, last_step=step)
+            rd.write_record(status=status, last_step=start + len(self._losses))
         finally:
             prefetch.close()
             for f in (self._progress, self._metrics_f, self._writer):

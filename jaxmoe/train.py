@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxmoe.config import Config, config_to_toml, flops_per_token, load_config
+from jaxmoe.config import Config, load_config
 from jaxmoe.errors import UserError
 
 

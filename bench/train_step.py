@@ -1,0 +1,232 @@
+"""Train-step throughput side by side: jaxmoe vs HF transformers (eager and torch.compile) vs
+torch_ref, and a measured fp32 matmul peak, in ONE run.
+
+    python bench/train_step.py [--shape coarse|fine|all] [--rounds 3] [--steps 4] [--json]
+
+Shapes (fwd + bwd + AdamW, B=8, S=256, vocab 8192, d_model 512, 4 layers, 8 heads / 4 KV heads,
+head_dim 64, fp32, aux losses off, global-norm clipping 1.0 on every system):
+
+* ``coarse``: 8 experts top-2, expert FFN 1024 -- HF ``MixtralForCausalLM``;
+* ``fine``: 64 experts top-8, expert FFN 256, QK-norm -- HF ``Qwen3MoeForCausalLM``.
+
+Systems: ``jaxmoe`` (the jitted train step of ``jaxmoe.step``, the ``blocked`` expert path, after
+warm-up), ``hf_eager`` and ``hf_compile`` (the transformers model with ``torch.optim.AdamW``,
+eager and under ``torch.compile``; a compile failure is reported, not hidden), ``torch_ref`` (the
+reference's own train step). Each round times ``--steps`` steps of every system after one
+untimed step, alternating the order between rounds; a system's figure is the median over rounds
+(range beside it). MFU = tokens/s x FLOPs per token / matmul peak, FLOPs per token from
+``jaxmoe.counting.flops_per_token`` (6 x active matmul parameters without the input embedding,
+plus causal attention). ``ratio_to_best_peer``: jaxmoe tokens/s over the best torch system.
+Figures are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+B, S, V, D, L, H, KV, HD = 8, 256, 8192, 512, 4, 8, 4, 64
+SHAPES = {
+    "coarse": dict(preset="mixtral-tiny", arch="mixtral", experts=8, top_k=2, ffn=1024, qk_norm=False),
+    "fine": dict(preset="tiny", arch="qwen3_moe", experts=64, top_k=8, ffn=256, qk_norm=True),
+}
+
+
+def jax_config(shape: str):
+    from jaxmoe.config import load_config
+
+    s = SHAPES[shape]
+    sets = {
+        "model.vocab_size": V, "model.d_model": D, "model.n_layers": L, "model.first_k_dense": 0,
+        "model.n_heads": H, "model.n_kv_heads": KV, "model.head_dim": HD,
+        "model.qk_norm": str(s["qk_norm"]).lower(), "model.max_seq_len": S,
+        "moe.n_experts": s["experts"], "moe.top_k": s["top_k"], "moe.expert_ffn_dim": s["ffn"],
+        "moe.norm_topk_prob": "true", "moe.lb_coef": 0, "moe.router_z_coef": 0, "moe.seq_aux_coef": 0,
+        "moe.compute_path": "blocked", "train.batch_size": B, "train.seq_len": S,
+        "train.dtype": "float32", "train.optimizer": "adamw", "train.grad_clip": 1.0,
+        "train.z_loss_coef": 0, "train.steps": 1000, "train.warmup_steps": 10,
+    }
+    return load_config(s["preset"], overrides=[f"{k}={v}" for k, v in sets.items()])
+
+
+def batch_np(seed=0):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, V, (B, S + 1)).astype(np.int32)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones((B, S), np.float32)}
+
+
+def matmul_peak(n=2048, reps=5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+# -- the systems: each returns a callable doing one train step on a fixed batch ----------------
+
+
+def make_jaxmoe(cfg):
+    import jax
+
+    from jaxmoe.model.transformer import declared_groups, init_params
+    from jaxmoe.optim import build_optimizer
+    from jaxmoe.step import init_state, make_train_step
+
+    params, buffers = init_params(cfg, 0)
+    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    box = {"state": init_state(cfg, tx, params, buffers)}
+    step = make_train_step(cfg, tx)
+    batch = {k: jax.device_put(v) for k, v in batch_np().items()}
+
+    def run():
+        box["state"], m = step(box["state"], batch)
+        return m["loss"]
+
+    return run, lambda x: x.block_until_ready()
+
+
+def _hf_model(cfg):
+    import torch
+    import transformers
+
+    from jaxmoe.archs import get_arch
+    from jaxmoe.hfconfig import to_hf_config
+
+    d = to_hf_config(cfg)
+    d.update(output_router_logits=False, router_aux_loss_coef=0.0, use_cache=False)
+    arch = get_arch(cfg.model.hf_arch).hf_class
+    hcfg = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(d)
+    hcfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, arch)(hcfg).train()
+
+
+def make_hf(cfg, compiled: bool):
+    import torch
+
+    model = _hf_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1)
+    b = batch_np()
+    inputs, targets = torch.from_numpy(b["inputs"].astype(np.int64)), torch.from_numpy(b["targets"].astype(np.int64))
+
+    def loss_fn():
+        logits = model(input_ids=inputs).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    fwd = torch.compile(loss_fn) if compiled else loss_fn
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        loss = fwd()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    return run, lambda x: float(x)
+
+
+def make_torch_ref(cfg):
+    import torch
+
+    from torch_ref.train import make_optimizer, make_scheduler, train_step
+    from torch_ref.transformer import TorchTransformer
+
+    model = TorchTransformer(cfg, seed=0)
+    opt = make_optimizer(model, cfg)
+    sched = make_scheduler(opt, cfg)
+    b = {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v) for k, v in batch_np().items()}
+    return (lambda: train_step(model, opt, sched, b, cfg)["loss"]), lambda x: x
+
+
+def bench_shape(shape: str, rounds: int, steps: int, log) -> dict:
+    import torch
+
+    from jaxmoe.counting import flops_per_token
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = jax_config(shape)
+    fpt = flops_per_token(cfg)
+    systems, notes = {}, {}
+    makers = {"jaxmoe": lambda: make_jaxmoe(cfg), "hf_eager": lambda: make_hf(cfg, False),
+              "hf_compile": lambda: make_hf(cfg, True), "torch_ref": lambda: make_torch_ref(cfg)}
+    for name, make in makers.items():
+        try:
+            run, sync = make()
+            t = time.perf_counter()
+            sync(run())  # warm-up (compilation)
+            notes[name] = {"first_step_s": round(time.perf_counter() - t, 2)}
+            systems[name] = (run, sync)
+        except Exception as e:  # noqa: BLE001 - a system that does not run here is reported
+            notes[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            log(f"{shape}: {name} did not run: {notes[name]['error']}")
+    peaks, tok = [], {n: [] for n in systems}
+    for r in range(rounds):
+        order = list(systems) if r % 2 == 0 else list(reversed(systems))
+        peaks.append(matmul_peak())
+        for name in order:
+            run, sync = systems[name]
+            sync(run())
+            t = time.perf_counter()
+            for _ in range(steps):
+                out = run()
+            sync(out)
+            tok[name].append(steps * B * S / (time.perf_counter() - t))
+        peaks.append(matmul_peak())
+        log(f"{shape} round {r + 1}: " + ", ".join(f"{n} {tok[n][-1]:.0f}" for n in order) + " tok/s")
+    peak = statistics.median(peaks)
+    res = {"tokens_per_s": {n: statistics.median(v) for n, v in tok.items()},
+           "tokens_per_s_range": {n: [min(v), max(v)] for n, v in tok.items()},
+           "mfu": {n: statistics.median(v) * fpt / peak for n, v in tok.items()},
+           "matmul_peak_gflops": peak / 1e9, "flops_per_token": fpt, "notes": notes}
+    peers = {n: v for n, v in res["tokens_per_s"].items() if n != "jaxmoe"}
+    if "jaxmoe" in res["tokens_per_s"] and peers:
+        best = max(peers, key=peers.get)
+        res["best_peer"] = best
+        res["ratio_to_best_peer"] = res["tokens_per_s"]["jaxmoe"] / peers[best]
+        res["ratio_to_hf_eager"] = (res["tokens_per_s"]["jaxmoe"] / peers["hf_eager"]
+                                    if "hf_eager" in peers else None)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=("coarse", "fine", "all"), default="all")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    shapes = ["coarse", "fine"] if args.shape == "all" else [args.shape]
+    out = {s: bench_shape(s, args.rounds, args.steps, log) for s in shapes}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for s, r in out.items():
+            print(f"{s}: matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s")
+            for n, v in r["tokens_per_s"].items():
+                lo, hi = r["tokens_per_s_range"][n]
+                print(f"  {n:11s} {v:8.0f} tok/s [{lo:.0f}-{hi:.0f}]  MFU {r['mfu'][n]:.3f}")
+            if "ratio_to_best_peer" in r:
+                print(f"  jaxmoe / best peer ({r['best_peer']}) = {r['ratio_to_best_peer']:.2f}; "
+                      f"/ hf_eager = {r['ratio_to_hf_eager']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
