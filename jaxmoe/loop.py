@@ -193,7 +193,7 @@ class Trainer:
         existed = rd.path.exists()
         rd.lock()
         try:
-            with Preemption(quiet=self.quiet) as preempt:
+            with Preemption(quiet=self.quiet, multi_process=jax.process_count() > 1) as preempt:
                 return self._run(preempt, data)
         except UserError:
             if not existed and not self.resume and rd.primary and not rd.ckpt_dir.exists():
@@ -272,11 +272,12 @@ class Trainer:
                     cur[2].update(self._eval(state, dispatch))
                 if every == 0 and t.checkpoint_minutes > 0 and len(self._timed) >= 2:
                     every = self._steps_per_checkpoint()
-                due = step == self.stop_after or (every and step % every == 0) or preempt.requested
+                stop_now = preempt.should_stop(step)
+                due = step == self.stop_after or (every and step % every == 0) or stop_now
                 if due and step != saved_step:
                     # exact: only a state whose last step was finite, except when preempted (the
                     # skipped steps left the params as they were: the state is still consistent)
-                    if preempt.requested or int(jax.device_get(state["bad_steps"])) == 0:
+                    if stop_now or int(jax.device_get(state["bad_steps"])) == 0:
                         ckpt.save(step, state, {"step": step, "data": prefetch.position,
                                                 "config": cfg.to_dict()})
                         saved_step = step
@@ -287,7 +288,7 @@ class Trainer:
                     stopped = self._finish(cur)
                     if stopped:
                         break
-                if preempt.requested or step == self.stop_after:
+                if stop_now or step == self.stop_after:
                     break
                 batch = prefetch.next()
             if pending is not None:

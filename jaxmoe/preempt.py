@@ -7,6 +7,12 @@ the current step and exits with :data:`EXIT_PREEMPTED` and a line naming the ``-
 command. A second signal aborts at once (``KeyboardInterrupt``): the committed checkpoints stay
 intact, because a checkpoint is only ever published by an atomic rename
 (:mod:`jaxmoe.checkpoint`).
+
+Multi-process runs must save the *same* step on every process, although the signal reaches them
+at different steps: there SIGTERM is left to JAX's preemption service (installed by
+``jax.distributed.initialize``), which agrees on the next step after the largest one any process
+has reached; :meth:`Preemption.should_stop` asks it once per step
+(``multihost_utils.reached_preemption_sync_point``). SIGINT keeps its default there (abort).
 """
 
 from __future__ import annotations
@@ -22,13 +28,25 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Preemption:
     """Context manager that installs the handlers (main thread only) and restores the old ones."""
 
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    def __init__(self, quiet: bool = False, multi_process: bool = False):
+        self.quiet, self.multi_process = quiet, multi_process
         self.signal_name: str | None = None
         self._old: dict = {}
 
     @property
     def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to save and stop after ``step``; call it once per step, on every process."""
+        if self.multi_process and self.signal_name is None:
+            from jax.experimental import multihost_utils  # late: only multi-process runs need it
+
+            try:
+                if multihost_utils.reached_preemption_sync_point(step):
+                    self.signal_name = "SIGTERM"
+            except RuntimeError:  # preemption service disabled (jax_enable_preemption_service)
+                pass
         return self.signal_name is not None
 
     def _handler(self, signum, frame):
@@ -40,7 +58,7 @@ class Preemption:
               "without saving)", file=sys.stderr, flush=True)
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not self.multi_process:
             for s in SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
         return self

@@ -117,3 +117,36 @@ def test_distributed_argument_errors():
         initialize("localhost", 2, 0)
     with pytest.raises(UserError, match="--process-id 2"):
         initialize("127.0.0.1:1234", 2, 2)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_saves_the_same_step_on_all(tmp_path):
+    """SLURM signals every task, but not at the same step: JAX's preemption service makes both
+    processes save one agreed step and exit 75; --resume continues from it."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    port = _free_port()
+    procs = [
+        _train(["--mesh", "expert=4,fsdp=2", "--steps", "300", "--out", str(out),
+                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], 4)
+        for i in range(2)
+    ]
+    try:
+        deadline = time.time() + TIMEOUT
+        while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert time.time() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [75, 75], [o[-2000:] for o in outs]
+    saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    last = max(_losses(out))
+    assert saved and saved[-1] == last < 300
+    _wait([_train(["--resume", "--mesh", "expert=4,fsdp=2", "--steps", str(last + 2), "--out", str(out)], 8)])
+    assert sorted(_losses(out)) == list(range(1, last + 3))
