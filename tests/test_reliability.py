@@ -178,3 +178,20 @@ def test_sigint_during_saves_then_second_signal_aborts(tmp_path):
     assert r.returncode == 0, r.stderr
     steps = [x["step"] for x in rows(out)]
     assert steps == list(range(1, last + 7))
+
+
+def test_multi_host_peer_that_never_comes_times_out_with_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "train", "--quiet", *SMALL, "--steps", "2",
+                        "--out", str(out), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                        "--process-id", "0", "--init-timeout", "3"],
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
+    assert f"127.0.0.1:{port}" in err[0] and "process ids 1" in err[0] and "--init-timeout" in err[0]
+    assert not out.exists()
