@@ -173,6 +173,43 @@ def test_existing_destination_needs_force(hf_dirs, tmp_path):
     assert len(SafetensorsReader(out).names()) == len(hf_map.entries(hf_dirs["tiny"][0]))
 
 
+def test_force_never_deletes_the_source_or_a_foreign_folder(hf_dirs, tmp_path):
+    """--force replaces only an earlier conversion's output: never a folder that holds the source,
+    the source itself, or an ordinary folder of someone else's files."""
+    import shutil
+
+    parent = tmp_path / "parent"
+    src = parent / "model"
+    shutil.copytree(hf_dirs["tiny"][1], src)
+    before = sorted(p.name for p in src.iterdir())
+    with pytest.raises(UserError, match="contains the source"):
+        convert(ep(f"hf:{src}"), ep(f"hf:{parent}"), force=True)
+    with pytest.raises(UserError, match="same path"):
+        convert(ep(f"hf:{src}"), ep(f"hf:{src}/."), force=True)
+    assert sorted(p.name for p in src.iterdir()) == before
+    run = tmp_path / "run"
+    convert(ep(f"hf:{src}"), ep(f"orbax:{run}"))
+    inner = run / "export"
+    inner.mkdir()
+    (inner / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="is inside the source"):
+        convert(ep(f"orbax:{run}"), ep(f"hf:{inner}"), force=True)
+    assert (inner / "config.json").read_text() == "{}"
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("precious")
+    with pytest.raises(UserError, match="--force replaces only"):
+        convert(ep(f"hf:{src}"), ep(f"hf:{home}"), force=True)
+    with pytest.raises(UserError, match="--force replaces only"):
+        convert(ep(f"hf:{src}"), ep(f"orbax:{home}"), force=True)
+    assert (home / "notes.txt").read_text() == "precious"
+    # an earlier conversion's output is replaced
+    out = tmp_path / "out"
+    convert(ep(f"hf:{src}"), ep(f"hf:{out}"))
+    convert(ep(f"hf:{src}"), ep(f"hf:{out}"), force=True)
+    assert (out / "config.json").is_file()
+
+
 def test_fp8_checkpoint_and_mtp_layer(hf_dirs, tmp_path, capsys):
     """DeepSeek-style FP8 weights are dequantised on import and an MTP layer is skipped."""
     cfg, d = hf_dirs["tiny-mla"]

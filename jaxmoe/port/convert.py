@@ -38,6 +38,7 @@ from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import to_hf_config
 from jaxmoe.port import hf_map
 from jaxmoe.port.safetensors_io import FLOAT_DTYPES, SafetensorsWriter, parse_size
+from jaxmoe.run_dir import RunDir
 from jaxmoe.port.sources import (  # noqa: F401 (API: the endpoints and sources, re-exported)
     FP8,
     KINDS,
@@ -176,6 +177,27 @@ def _is_nonempty(path: Path) -> bool:
     return path.exists()
 
 
+def _check_replaceable(src: Endpoint, dst: Endpoint) -> None:
+    """``--force`` replaces only what a conversion writes, and never the source or a folder around it."""
+    s, d = src.path.resolve(), dst.path.resolve()
+    if d == s or d in s.parents or s in d.parents:
+        how = "is" if d == s else "contains" if d in s.parents else "is inside"
+        raise UserError(f"{dst}: {how} the source {src}; --force never deletes the source: "
+                        f"pick another --to path")
+    if dst.kind == "torch":
+        ok = d.is_file() and d.suffix == ".safetensors"
+        what = "a .safetensors file"
+    elif dst.kind == "hf":
+        ok = d.is_dir() and (d / "config.json").is_file() and not any(p.is_dir() for p in d.iterdir())
+        what = "an HF checkpoint folder (config.json, no sub-folders)"
+    else:
+        ok = d.is_dir() and RunDir(d).is_run()
+        what = "a jaxmoe run folder"
+    if not ok:
+        raise UserError(f"{dst}: is not {what} from an earlier conversion; --force replaces only those "
+                        f"(remove it yourself if you mean it)")
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -209,8 +231,10 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, shard_size: 
         raise UserError("--shard-size applies to hf: destinations only")
     if src.path.resolve() == dst.path.resolve():
         raise UserError(f"--from and --to are the same path ({dst.path})")
-    if _is_nonempty(dst.path) and not force:
-        raise UserError(f"{dst}: exists and is not empty; pass --force to replace it")
+    if _is_nonempty(dst.path):
+        if not force:
+            raise UserError(f"{dst}: exists and is not empty; pass --force to replace it")
+        _check_replaceable(src, dst)
     t0 = time.perf_counter()
     source = open_source(src)  # validates: raises before anything is written
     cfg = source.cfg
