@@ -126,7 +126,7 @@ def _spawn(out, *extra, steps=400):
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_rows(out, n, proc, deadline=180):
+def _wait_rows(out, n, proc, deadline=900):  # a hang guard, not a timing assert
     end = time.time() + deadline
     while time.time() < end:
         f = Path(out) / "metrics.jsonl"
@@ -144,7 +144,7 @@ def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
     proc = _spawn(out, steps=12)
     _wait_rows(out, 3, proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=900)
     assert proc.returncode == 75, err
     assert "continue with: jaxmoe train --resume --out" in err
     saved = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
@@ -160,7 +160,7 @@ def test_sigint_during_saves_then_second_signal_aborts(tmp_path):
     proc = _spawn(out, "--checkpoint-every", "1")  # a save is in flight almost all the time
     _wait_rows(out, 3, proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=900)
     assert proc.returncode == 75, err
     assert "Traceback" not in err
     last = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
@@ -171,7 +171,7 @@ def test_sigint_during_saves_then_second_signal_aborts(tmp_path):
     proc.send_signal(signal.SIGINT)
     time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
+    proc.communicate(timeout=900)
     assert proc.returncode in (75, 130)
     r = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "train", "--quiet", "--resume", "--out", str(out),
                         "--steps", str(last + 6)], env=ENV, capture_output=True, text=True)
@@ -190,7 +190,7 @@ def test_multi_host_peer_that_never_comes_times_out_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "train", "--quiet", *SMALL, "--steps", "2",
                         "--out", str(out), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                         "--process-id", "0", "--init-timeout", "3"],
-                       env=ENV, capture_output=True, text=True, timeout=120)
+                       env=ENV, capture_output=True, text=True, timeout=900)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
     assert f"127.0.0.1:{port}" in err[0] and "process ids 1" in err[0] and "--init-timeout" in err[0]
