@@ -83,7 +83,8 @@ def rope_frequencies(m: ModelConfig) -> tuple[torch.Tensor, float]:
     correction dims ``low = floor(d(beta_fast))``, ``high = ceil(d(beta_slow))`` where
     ``d(r) = dim * ln(L0 / (2 pi r)) / (2 ln theta)``. cos/sin are multiplied by
     ``attention_factor = mscale(f, mscale) / mscale(f, mscale_all_dim)`` when both are non-zero,
-    else ``mscale(f)`` (HF transformers semantics; DeepSeek-V3 has both = 1, so 1).
+    else ``mscale(f)`` (HF transformers semantics; DeepSeek-V3 has both = 1, so 1; an absent
+    ``mscale``, 0 in the config, with ``mscale_all_dim`` given means ``mscale(f)``).
     Computed in fp32 like HF so that the tables agree bit for bit.
     """
     dim = m.rope_dim

@@ -61,7 +61,8 @@ def rope_frequencies(m: ModelConfig) -> tuple[np.ndarray, float]:
     and extrapolated ones with a linear ramp between the correction dims found from
     ``beta_fast``/``beta_slow`` (floored/ceiled, HF's default ``truncate=True``), and
     ``attention_factor`` (which multiplies cos and sin) is ``mscale(f, mscale)/mscale(f, all_dim)``
-    when both are non-zero, else ``mscale(f)``.
+    when both are non-zero, else ``mscale(f)`` (HF ``_compute_yarn_parameters``, 5.25: an absent
+    ``mscale`` -- 0 here -- with ``mscale_all_dim`` given is ``mscale(f)``, not a ratio).
     """
     dim = m.rope_dim
     base = m.rope_theta
