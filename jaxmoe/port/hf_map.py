@@ -201,6 +201,19 @@ def _per_expert(pre, names, leaves, row, stack, key_of):
                         (row, x), d.hf_transpose, hf)
 
 
+def fp32_leaves(cfg: Config) -> set[str]:
+    """Leaves stored fp32 whatever dtype the other weights get (``--dtype``, a bf16 checkpoint):
+    those whose declared type says ``keep_fp32`` -- the router weight and the expert bias, which
+    HF keeps fp32 too -- and every buffer."""
+    from jaxmoe.model.transformer import model_declarations
+
+    out = set()
+    for path, d in model_declarations(cfg).items():
+        if getattr(d.kind, "keep_fp32", False) or not d.trained:
+            out.add(("params/" if d.trained else "buffers/") + path)
+    return out
+
+
 def leaf_shapes(cfg: Config, table: list[Entry] | None = None) -> dict[str, tuple[int, ...]]:
     """Shape of every jaxmoe leaf ("params/..." / "buffers/..."), derived from the table.
 
@@ -262,5 +275,5 @@ def unflatten(flat: dict) -> dict:
     return tree
 
 
-__all__ = ["ZERO", "Entry", "IGNORED_SUFFIXES", "check_supported", "detect_entries", "entries",
+__all__ = ["ZERO", "Entry", "IGNORED_SUFFIXES", "check_supported", "detect_entries", "entries", "fp32_leaves",
            "flatten", "hf_layer_index", "leaf_entries", "leaf_shapes", "tensors", "unflatten"]
