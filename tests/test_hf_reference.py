@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.errors import UserError
+from jaxmoe.losses import router_losses
 from jaxmoe.port import hf_map
 from jaxmoe.port.convert import convert, load_numpy_tree
 from jaxmoe.port.logits import compare_logits
@@ -127,8 +128,8 @@ _JAX_FNS: dict = {}
 
 
 def _jax(d):
-    """(cfg, logits, routing record) of jaxmoe on TOKENS, for HF directory ``d`` (cached; one
-    compiled forward per config, shared by both layouts). The dense expert path (dropless at
+    """(cfg, logits, routing record, [LB loss without mask, with PAD]) of jaxmoe on TOKENS, for
+    HF directory ``d`` (cached; one compiled forward + loss per config, shared by both layouts). The dense expert path (dropless at
     capacity 0) compiles fastest; tests/test_experts.py holds the paths equal."""
     if str(d) not in _JAX_RUNS:
         import jax
@@ -140,10 +141,17 @@ def _jax(d):
         cfg.moe.compute_path = "dense"
         key = cfg.to_json()
         if key not in _JAX_FNS:
-            _JAX_FNS[key] = jax.jit(lambda p, b, t, cfg=cfg: apply_model(cfg, p, b, t))
+            def run(p, b, t, pad, cfg=cfg):
+                logits, aux = apply_model(cfg, p, b, t)
+                lb = [router_losses(cfg, aux["router"], *t.shape, m)["lb"] for m in (None, pad)]
+                return logits, aux, lb
+
+            _JAX_FNS[key] = jax.jit(run)
         params, buffers = jax.tree.map(jnp.asarray, (params, buffers))
-        logits, aux = _JAX_FNS[key](params, buffers, jnp.asarray(TOKENS, jnp.int32))
-        _JAX_RUNS[str(d)] = (cfg, np.asarray(logits, np.float32), aux)
+        logits, aux, lb = _JAX_FNS[key](params, buffers, jnp.asarray(TOKENS, jnp.int32),
+                                        jnp.asarray(PAD))
+        aux = jax.tree.map(np.array, aux)
+        _JAX_RUNS[str(d)] = (cfg, np.asarray(logits, np.float32), aux, [float(x) for x in lb])
     return _JAX_RUNS[str(d)]
 
 
@@ -157,7 +165,7 @@ def test_logits_match_transformers(hf, name, layout):
         names = SafetensorsReader(d).names()
         assert any(n.endswith("mlp.experts.gate_up_proj") for n in names)
         assert not any(".experts.0." in n or "block_sparse_moe" in n for n in names)
-    cfg, logits, _ = _jax(d)
+    cfg, logits, _, _ = _jax(d)
     ref = hf[name]["logits"]
     assert ref.std() > 0.5  # decisive weights
     f = compare_logits(ref, logits)
@@ -251,17 +259,15 @@ def test_load_balance_loss_equals_hf_aux_loss(hf, name, padded):
     """jaxmoe's moe.lb_scope="pooled" loss (set by the HF import) == HF's aux_loss, with and
     without an attention mask with padding (right padding: the real tokens' routing is the
     same with or without the mask, causal attention). torch_ref's too."""
-    from jaxmoe.losses import router_losses
     from torch_ref.losses import pooled_load_balance_loss
 
     d = hf[name]["dirs"]["per-expert"]
-    cfg, _logits, aux = _jax(d)
+    cfg, _logits, aux, lbs = _jax(d)
     assert cfg.moe.lb_scope == "pooled"
     assert cfg.moe.lb_coef == hf[name]["model"].config.router_aux_loss_coef
     mask = PAD if padded else None
     want = float(_hf_run(hf[name]["model"], mask, router=True).aux_loss)
-    b, s = TOKENS.shape
-    got = float(router_losses(cfg, aux["router"], b, s, None if mask is None else mask)["lb"])
+    got = lbs[padded]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     r = aux["router"]
     tr = float(pooled_load_balance_loss(torch.from_numpy(np.asarray(r["scores"])),
