@@ -53,7 +53,6 @@ COMMON_DEFAULTS = dict(
     hidden_act="silu",
     initializer_range=0.02,
     tie_word_embeddings=False,
-    attention_bias=False,
     rope_theta=10000.0,  # PreTrainedConfig.default_theta (Mixtral overrides it)
 )
 

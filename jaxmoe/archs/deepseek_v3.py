@@ -99,6 +99,7 @@ MLA_NORM_EPS = 1e-6
 # out: its class default (128) only works when it equals num_attention_heads, which MLA needs.
 HF_DEFAULTS = dict(
     COMMON_DEFAULTS,
+    attention_bias=False,
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
     num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
     routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,

@@ -47,6 +47,7 @@ def from_hf(d: dict, cfg) -> None:
 # HF derives hidden_size // num_attention_heads.
 HF_DEFAULTS = dict(
     COMMON_DEFAULTS,
+    attention_bias=False,
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
     num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768,
     rms_norm_eps=1e-6, use_sliding_window=False, decoder_sparse_step=1, moe_intermediate_size=768,
