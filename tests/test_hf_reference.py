@@ -304,6 +304,10 @@ def test_cli_logits_framework_hf(hf, tmp_path, monkeypatch, capsys):
             str(tmp_path / "lg.npy"), "--framework", "hf"]
     assert main(args) == 0
     np.testing.assert_allclose(np.load(tmp_path / "lg.npy"), hf["mixtral"]["logits"], atol=1e-6)
+    args_torch = args[:-1] + ["torch"]  # torch_ref on a fused dir (read through a torch: file)
+    assert main(args_torch) == 0
+    f = compare_logits(hf["mixtral"]["logits"], np.load(tmp_path / "lg.npy"))
+    assert f["max_abs"] <= TOL["max_abs"] and f["kl"] <= TOL["kl"], f
     capsys.readouterr()
     monkeypatch.setattr(port_logits, "_available", lambda module: module != "transformers")
     assert main(args) != 0

@@ -190,3 +190,19 @@ def test_mla_norm_eps_fixed_by_deepseek():
 def test_unknown_model_type_lists_the_supported_ones():
     with pytest.raises(ConfigError, match="supported: qwen3_moe, mixtral, deepseek_v3, kimi_k2"):
         from_hf_config({"model_type": "llama"})
+
+
+def test_router_computes_in_fp32_from_bf16_activations():
+    """In a bf16 model the router weight is used unrounded: logits = fp32(x) @ w (fp32)."""
+    from jaxmoe.model.router import route
+
+    cfg = load_config("tiny-mla")
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(5, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, cfg.moe.n_experts)) * 1.001, jnp.float32)
+    out = route(x, w, jnp.zeros(cfg.moe.n_experts), cfg.moe)
+    want = np.asarray(x, np.float32).astype(np.float64) @ np.asarray(w, np.float64)
+    assert out.logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out.logits), want, rtol=1e-5, atol=1e-5)
+    rounded = np.asarray(x, np.float32) @ np.asarray(w.astype(jnp.bfloat16), np.float32)
+    assert np.abs(rounded - want).max() > 1e-3  # a bf16 router weight would show

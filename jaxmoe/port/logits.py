@@ -87,7 +87,8 @@ def _torch_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
     from torch_ref import hf_io
 
     with tempfile.TemporaryDirectory() as tmp:
-        if ep.kind == "hf":
+        # torch_ref reads the per-expert hub layout; a fused HF dir goes through a torch: file
+        if ep.kind == "hf" and "fused" not in TensorSource(ep).layouts.values():
             cfg, model = hf_io.load_hf(str(ep.path))
         else:
             ep = _as_file(ep, "torch", tmp)
