@@ -65,6 +65,8 @@ def _rope_parameters(cfg: Config) -> dict:
         )
         if m.yarn_mscale:  # 0 = absent (HF then uses mscale(factor) alone)
             rope["mscale"] = float(m.yarn_mscale)
+        if m.yarn_attention_factor:  # 0 = absent (derived from factor / mscale)
+            rope["attention_factor"] = float(m.yarn_attention_factor)
     return rope
 
 
@@ -189,8 +191,7 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
         # (so mscale_all_dim alone gives mscale(f), not mscale(f) / mscale(f, all_dim)).
         m.yarn_mscale = float(rope.get("mscale") or 0.0)
         m.yarn_mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
-        if rope.get("attention_factor") is not None:
-            raise ConfigError("config.json rope_parameters.attention_factor is not supported")
+        m.yarn_attention_factor = float(rope.get("attention_factor") or 0.0)
     else:
         raise ConfigError(
             f"config.json rope type {rope['rope_type']!r} is not supported (default or yarn)"

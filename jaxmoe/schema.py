@@ -62,6 +62,7 @@ class ModelConfig:
     # mscale(f, mscale) / mscale(f, mscale_all_dim) only when both are non-zero, else mscale(f))
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: float = 0.0  # HF rope_parameters.attention_factor; 0 = derived (above)
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     init_std: float = 0.02

@@ -139,7 +139,7 @@ def test_gqa_import_sets_pooled_scope_dropless_and_coef():
 # --------------------------------------------------------------------------------------------
 
 MSCALES = [dict(mscale=1.0, mscale_all_dim=1.0), dict(mscale_all_dim=0.707), dict(mscale=0.8),
-           {}, dict(mscale=1.2, mscale_all_dim=0.5)]
+           {}, dict(mscale=1.2, mscale_all_dim=0.5), dict(attention_factor=1.3, mscale_all_dim=1.0)]
 
 
 @pytest.mark.parametrize("ms", MSCALES, ids=lambda m: ",".join(m) or "none")

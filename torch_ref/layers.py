@@ -93,7 +93,9 @@ def rope_frequencies(m: ModelConfig) -> tuple[torch.Tensor, float]:
     if m.rope_scaling != "yarn":
         return 1.0 / pos_freqs, 1.0
     f = m.yarn_factor
-    if m.yarn_mscale and m.yarn_mscale_all_dim:
+    if m.yarn_attention_factor:  # given explicitly (HF's rope_parameters.attention_factor)
+        attention_factor = m.yarn_attention_factor
+    elif m.yarn_mscale and m.yarn_mscale_all_dim:
         attention_factor = yarn_mscale(f, m.yarn_mscale) / yarn_mscale(f, m.yarn_mscale_all_dim)
     else:
         attention_factor = yarn_mscale(f)

@@ -71,7 +71,9 @@ def rope_frequencies(m: ModelConfig) -> tuple[np.ndarray, float]:
     if m.rope_scaling != "yarn":
         return inv_extra.astype(np.float32), 1.0
     factor = m.yarn_factor
-    if m.yarn_mscale and m.yarn_mscale_all_dim:
+    if m.yarn_attention_factor:  # given explicitly: HF uses it as is
+        attention_factor = m.yarn_attention_factor
+    elif m.yarn_mscale and m.yarn_mscale_all_dim:
         attention_factor = _yarn_get_mscale(factor, m.yarn_mscale) / _yarn_get_mscale(
             factor, m.yarn_mscale_all_dim
         )
