@@ -256,8 +256,9 @@ def validate(cfg: Config) -> Config:
         )
     if m.first_k_dense > 0 and m.dense_ffn_dim <= 0:
         raise ConfigError(f"model.dense_ffn_dim={m.dense_ffn_dim} must be > 0 when first_k_dense > 0")
-    if m.rms_norm_eps <= 0:
-        raise ConfigError(f"model.rms_norm_eps={m.rms_norm_eps} must be > 0")
+    if m.rms_norm_eps <= 0 or m.mla_norm_eps <= 0:
+        raise ConfigError(f"model.rms_norm_eps={m.rms_norm_eps} and model.mla_norm_eps="
+                          f"{m.mla_norm_eps} must be > 0")
     if m.attention == "gqa":
         _positive(cfg, "model", "n_kv_heads", "head_dim")
         if m.n_heads % m.n_kv_heads:

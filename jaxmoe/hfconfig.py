@@ -61,9 +61,12 @@ def _rope_parameters(cfg: Config) -> dict:
             original_max_position_embeddings=int(m.yarn_original_max_pos),
             beta_fast=float(m.yarn_beta_fast),
             beta_slow=float(m.yarn_beta_slow),
-            mscale=float(m.yarn_mscale),
             mscale_all_dim=float(m.yarn_mscale_all_dim),
         )
+        if m.yarn_mscale:  # 0 = absent (HF then uses mscale(factor) alone)
+            rope["mscale"] = float(m.yarn_mscale)
+        if m.yarn_attention_factor:  # 0 = absent (derived from factor / mscale)
+            rope["attention_factor"] = float(m.yarn_attention_factor)
     return rope
 
 
@@ -105,22 +108,30 @@ def to_hf_config(cfg: Config, dtype: str = "float32") -> dict:
 
 
 def _rope_dict(d: dict) -> dict:
-    """The RoPE settings of a config.json in one flat dict, whatever its transformers version."""
+    """The RoPE settings of a config.json in one flat dict, whatever its transformers version
+    (as transformers' ``standardize_rope_params``: ``rope_parameters`` or 4.x ``rope_scaling``,
+    the top-level ``rope_theta`` -- ``d`` already holds the class default -- filling in)."""
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"config.json rope_parameters/rope_scaling must be a dict, got {rope!r}")
     rope = dict(rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope["rope_type"] = rope_type
-    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = _get(d, "rope_theta")
+    if d.get("original_max_position_embeddings") is not None:  # top level wins in HF (Phi3 style)
+        rope["original_max_position_embeddings"] = d["original_max_position_embeddings"]
     return rope
 
 
 def from_hf_config(d: dict, base: Config | None = None) -> Config:
     """Build a Config from a HF ``config.json`` dict (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral).
 
-    Sections and fields HF does not describe come from ``base`` (the defaults when None). The
-    result is validated. Settings the architecture's HF code would run but jaxmoe cannot
+    A key missing from ``d`` means transformers' class default for its ``model_type`` (the
+    architecture record's ``hf_defaults``), never jaxmoe's. The semantics HF fixes are set whatever
+    ``base`` says: dropless routing (capacity 0), the architecture's load-balance form
+    (``moe.lb_scope``) and MLA norm eps. Other sections and fields HF does not describe come from
+    ``base`` (the defaults when None). The result is validated. Settings the architecture's HF code would run but jaxmoe cannot
     (sliding windows, attention biases, other RoPE types, activations other than SiLU, interleaved
     dense/MoE layers) raise ConfigError naming the key.
     """
@@ -128,6 +139,7 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
         raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
     arch = arch_for_model_type(model_type)
+    d = arch.with_defaults(d)  # a missing key = transformers' class default (explicit nulls kept)
     given_base = base is not None
     base = base if base is not None else Config()
     cfg = Config(
@@ -151,10 +163,13 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
     m.d_model = int(_get(d, "hidden_size"))
     m.n_layers = int(_get(d, "num_hidden_layers"))
     m.n_heads = int(_get(d, "num_attention_heads"))
-    m.rms_norm_eps = float(_get(d, "rms_norm_eps", default=1e-6))
-    m.max_seq_len = int(_get(d, "max_position_embeddings", default=m.max_seq_len))
+    m.rms_norm_eps = float(_get(d, "rms_norm_eps"))
+    m.max_seq_len = int(_get(d, "max_position_embeddings"))
     m.init_std = float(_get(d, "initializer_range", default=m.init_std))
     m.tie_embeddings = bool(d.get("tie_word_embeddings", False))
+    # HF runs every MoE layer dropless
+    cfg.moe.capacity_factor = 0.0
+    cfg.mesh.a2a_capacity_factor = 0.0
     e.top_k = int(_get(d, "num_experts_per_tok"))
 
     rope = _rope_dict(d)
@@ -171,17 +186,19 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
         m.yarn_factor = float(factor) if factor is not None else m.max_seq_len / orig
         m.yarn_beta_fast = float(rope.get("beta_fast") or 32.0)
         m.yarn_beta_slow = float(rope.get("beta_slow") or 1.0)
-        # Absent mscale / mscale_all_dim behave in HF exactly like 1.0 / 0.0 here.
-        m.yarn_mscale = float(rope.get("mscale") if rope.get("mscale") is not None else 1.0)
+        # Absent (or null) mscale / mscale_all_dim are 0 here: HF takes the ratio
+        # mscale(f, mscale) / mscale(f, mscale_all_dim) only when both are non-zero, else mscale(f)
+        # (so mscale_all_dim alone gives mscale(f), not mscale(f) / mscale(f, all_dim)).
+        m.yarn_mscale = float(rope.get("mscale") or 0.0)
         m.yarn_mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
-        if rope.get("attention_factor") is not None:
-            raise ConfigError("config.json rope_parameters.attention_factor is not supported")
+        m.yarn_attention_factor = float(rope.get("attention_factor") or 0.0)
     else:
         raise ConfigError(
             f"config.json rope type {rope['rope_type']!r} is not supported (default or yarn)"
         )
 
     arch.from_hf(d, cfg)
+    arch.apply_import(cfg)
     if cfg.train.seq_len > m.max_seq_len:
         cfg.train.seq_len = m.max_seq_len
     return validate(cfg)

@@ -6,7 +6,9 @@ Computed from the model's outputs -- the logits and the routing record ``aux`` t
 * ``cross_entropy``: summed over valid tokens / number of valid tokens (global count when the
   caller passes ``n_valid``), plus the output-logit z-loss ``logsumexp^2`` with the same reduction.
 * Router losses per MoE layer, summed over layers (:func:`router_losses`): Switch load balance,
-  DeepSeek-V3 sequence-wise balance, router z-loss.
+  DeepSeek-V3 sequence-wise balance, router z-loss. With ``moe.lb_scope = "pooled"`` the load
+  balance is instead transformers' Mixtral/Qwen3 form (:func:`pooled_load_balance_loss`): all MoE
+  layers pooled before one product, attention padding excluded (:func:`padding_mask`).
 * ``update_expert_bias``: aux-loss-free sign rule, mean-centred.
 """
 
@@ -52,6 +54,36 @@ def load_balance_loss(probs, topk_idx, n_experts):
     return n_experts * jnp.sum(f * p_mean)
 
 
+def pooled_load_balance_loss(probs, topk_idx, n_experts, weights=None):
+    """transformers' ``load_balancing_loss_func`` (Mixtral, Qwen3-MoE; checked in 5.25's source).
+
+    ``probs [Lm, T, E]`` (normalised router probabilities), ``topk_idx [Lm, T, k]``, ``weights
+    [T]`` (1 = a real token, 0 = attention padding; None = every token). Every layer's rows are
+    pooled: ``f_e = sum_{l,t} w_t [e in topk_{l,t}] / (Lm sum_t w_t)`` (sums to k, no division by
+    k), ``P_e = sum_{l,t} w_t p_{l,t,e} / (Lm sum_t w_t)``, loss ``E * sum_e f_e P_e`` (balanced
+    value = k, whatever the number of layers). ``f`` carries no gradient (counts).
+    """
+    lm, t, k = topk_idx.shape
+    w = jnp.ones((t,), jnp.float32) if weights is None else weights.reshape(t).astype(jnp.float32)
+    wk = jnp.broadcast_to(w[None, :, None], (lm, t, k)).reshape(-1)
+    counts = jnp.zeros((n_experts,), jnp.float32).at[topk_idx.reshape(-1)].add(wk)
+    rows = jnp.maximum(lm * jnp.sum(w), 1e-20)  # HF divides by the masked row count as is
+    p_sum = jnp.einsum("lte,t->e", probs.astype(jnp.float32), w)
+    return n_experts * jnp.sum((counts / rows) * (p_sum / rows))
+
+
+def padding_mask(batch: dict):
+    """``[B, S]`` fp32, 1 = a real token, from the batch's ``attention_mask`` (HF: 1 = attend) or
+    ``segment_ids`` (0 = padding); None when it has neither (then every position counts, as HF
+    does without an attention mask). The targets ``mask`` never enters: HF's balance loss only
+    excludes attention padding."""
+    if batch.get("attention_mask") is not None:
+        return (batch["attention_mask"] > 0).astype(jnp.float32)
+    if batch.get("segment_ids") is not None:
+        return (batch["segment_ids"] > 0).astype(jnp.float32)
+    return None
+
+
 def seq_aux_loss(scores_normalised, topk_idx, batch, seq, n_experts, top_k):
     """DeepSeek-V3 sequence-wise balance: per sequence ``sum_e (E/(k*S) * count_e) * mean_t s'_e``,
     averaged over the ``batch`` sequences. Tokens are ``T = batch * seq`` row-major."""
@@ -80,9 +112,11 @@ def update_expert_bias(bias, counts, rate):
     return (bias + delta).astype(bias.dtype)
 
 
-def router_losses(cfg, router: dict, batch: int, seq: int) -> dict:
+def router_losses(cfg, router: dict, batch: int, seq: int, pad_mask=None) -> dict:
     """Per-layer router losses summed over the stacked MoE layers (leading axis ``Lm``) of the
-    routing record ``router`` (``logits``, ``scores``, ``topk_idx``); tokens ``T = batch*seq``."""
+    routing record ``router`` (``logits``, ``scores``, ``topk_idx``); tokens ``T = batch*seq``.
+    With ``moe.lb_scope == "pooled"`` ``lb`` is :func:`pooled_load_balance_loss` over all layers,
+    excluding positions where ``pad_mask [B, S]`` (see :func:`padding_mask`) is 0."""
     e, k = cfg.moe.n_experts, cfg.moe.top_k
     router_logits, router_scores, topk_idx = router["logits"], router["scores"], router["topk_idx"]
     if router_logits.shape[0] == 0:
@@ -98,7 +132,11 @@ def router_losses(cfg, router: dict, batch: int, seq: int) -> dict:
         )
 
     lb, sa, rz = jax.vmap(one)(router_logits, router_scores, topk_idx)
-    return {"lb": lb.sum(), "seq_aux": sa.sum(), "router_z": rz.sum()}
+    lb = lb.sum()
+    if cfg.moe.lb_scope == "pooled":
+        probs = jax.vmap(normalise_scores)(router_scores)
+        lb = pooled_load_balance_loss(probs, topk_idx, e, pad_mask)
+    return {"lb": lb, "seq_aux": sa.sum(), "router_z": rz.sum()}
 
 
 def weigh_terms(cfg, ce, z, rl: dict):
@@ -119,8 +157,9 @@ def weigh_terms(cfg, ce, z, rl: dict):
 
 def compute_loss(cfg, logits, aux, batch, n_valid=None):
     """Total loss and fp32 metrics from the model outputs (logits and routing record ``aux``):
-    cross-entropy and z-loss over ``batch``'s valid tokens, router losses over every position,
-    weighted by :func:`weigh_terms`."""
+    cross-entropy and z-loss over ``batch``'s valid tokens, router losses over every position
+    (the pooled balance loss: every non-padding position), weighted by :func:`weigh_terms`."""
     ce, z = cross_entropy(logits, batch["targets"], batch["mask"], n_valid)
     b, s = batch["targets"].shape
-    return weigh_terms(cfg, ce, z, router_losses(cfg, aux["router"], b, s))
+    rl = router_losses(cfg, aux["router"], b, s, padding_mask(batch))
+    return weigh_terms(cfg, ce, z, rl)

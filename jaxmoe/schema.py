@@ -48,6 +48,9 @@ class ModelConfig:
     v_head_dim: int = 16
     # norms / positions
     rms_norm_eps: float = 1e-6
+    # eps of MLA's low-rank norms (q_a_layernorm / kv_a_layernorm): HF DeepSeek-V3 fixes it at
+    # 1e-6 whatever rms_norm_eps says
+    mla_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_layout: Literal["half", "interleaved"] = "half"  # half-split (HF Llama/Qwen/Mixtral) | pairs
     rope_scaling: Literal["none", "yarn"] = "none"
@@ -55,8 +58,11 @@ class ModelConfig:
     yarn_original_max_pos: int = 4096
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    # YaRN mscale / mscale_all_dim as in HF's rope_parameters; 0 = absent (HF: attention factor
+    # mscale(f, mscale) / mscale(f, mscale_all_dim) only when both are non-zero, else mscale(f))
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: float = 0.0  # HF rope_parameters.attention_factor; 0 = derived (above)
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -95,6 +101,11 @@ class MoEConfig:
     bias_update_rate: float = 1e-3  # sign-rule update rate of the expert bias
     # Aux losses (coefficients; 0 disables)
     lb_coef: float = 0.0  # global-batch load-balance loss, Switch form: E * sum_e f_e * P_e
+    # "layer": the Switch loss of each MoE layer, summed over layers (balanced value = n MoE
+    # layers); "pooled": transformers' Mixtral/Qwen3 load_balancing_loss_func, every MoE layer's
+    # router probabilities and top-k counts pooled over tokens before one product (balanced value
+    # = top_k), attention padding excluded when the batch has an attention mask / segment ids
+    lb_scope: Literal["layer", "pooled"] = "layer"
     seq_aux_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss
     router_z_coef: float = 0.0  # router z-loss: mean(logsumexp(router_logits)^2)
     # Expert compute path

@@ -243,6 +243,9 @@ def test_bfloat16_output(hf_dirs, tmp_path):
     convert(ep(f"hf:{d}"), ep(f"torch:{tmp_path}/m.safetensors"), dtype="bfloat16")
     a, b = SafetensorsReader(d), SafetensorsReader(tmp_path / "m.safetensors")
     for n in a.names():
+        if n.endswith(".gate.weight"):  # the router weight stays fp32 (hf_map.fp32_leaves)
+            assert b.dtype(n) == np.float32 and np.array_equal(b.get(n), a.get(n)), n
+            continue
         assert b.dtype(n) == np.dtype(ml_dtypes.bfloat16)
         np.testing.assert_array_equal(b.get(n), a.get(n).astype(ml_dtypes.bfloat16))
 

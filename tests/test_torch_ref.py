@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from jaxmoe.archs import get_arch
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import to_hf_config
@@ -69,6 +70,8 @@ def test_hf_logits_parity_both_ways(preset, tmp_path):
         assert hc.norm_topk_prob and "model.layers.0.self_attn.q_norm.weight" in hf.state_dict()
     hf.save_pretrained(tmp_path / "hf")
     cfg2, ours = load_hf(tmp_path / "hf", base=cfg)
+    # the import sets what HF means (Qwen3/Mixtral: the pooled load-balance loss); all else = cfg
+    get_arch(cfg.model.hf_arch).apply_import(cfg)
     assert cfg2 == cfg
 
     # capture HF's routing decisions

@@ -67,8 +67,8 @@ class MLAAttention(nn.Module):
     * RoPE on the rope parts only; scale ``qh^-0.5``, times ``mscale(f, mscale_all_dim)^2`` under
       YaRN when ``mscale_all_dim != 0`` (DeepSeek-V3 / HF semantics).
 
-    The two latent norms use ``cfg.model.rms_norm_eps`` (HF hard-codes 1e-6 for them, which is
-    what every released DeepSeek/Kimi config uses for ``rms_norm_eps`` too).
+    The two latent norms use ``cfg.model.mla_norm_eps`` (HF hard-codes 1e-6 for them whatever
+    ``rms_norm_eps`` says; the HF import sets the field to that).
     """
 
     def __init__(self, m: ModelConfig):
@@ -77,12 +77,12 @@ class MLAAttention(nn.Module):
         qh = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank > 0:
             self.q_a_proj = Linear(m.d_model, m.q_lora_rank)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.mla_norm_eps)
             self.q_b_proj = Linear(m.q_lora_rank, m.n_heads * qh)
         else:
             self.q_proj = Linear(m.d_model, m.n_heads * qh)
         self.kv_a_proj_with_mqa = Linear(m.d_model, m.kv_lora_rank + m.qk_rope_head_dim)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, m.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, m.mla_norm_eps)
         self.kv_b_proj = Linear(m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim))
         self.o_proj = Linear(m.n_heads * m.v_head_dim, m.d_model)
         self.scale = qh**-0.5

@@ -83,7 +83,8 @@ def rope_frequencies(m: ModelConfig) -> tuple[torch.Tensor, float]:
     correction dims ``low = floor(d(beta_fast))``, ``high = ceil(d(beta_slow))`` where
     ``d(r) = dim * ln(L0 / (2 pi r)) / (2 ln theta)``. cos/sin are multiplied by
     ``attention_factor = mscale(f, mscale) / mscale(f, mscale_all_dim)`` when both are non-zero,
-    else ``mscale(f)`` (HF transformers semantics; DeepSeek-V3 has both = 1, so 1).
+    else ``mscale(f)`` (HF transformers semantics; DeepSeek-V3 has both = 1, so 1; an absent
+    ``mscale``, 0 in the config, with ``mscale_all_dim`` given means ``mscale(f)``).
     Computed in fp32 like HF so that the tables agree bit for bit.
     """
     dim = m.rope_dim
@@ -92,7 +93,9 @@ def rope_frequencies(m: ModelConfig) -> tuple[torch.Tensor, float]:
     if m.rope_scaling != "yarn":
         return 1.0 / pos_freqs, 1.0
     f = m.yarn_factor
-    if m.yarn_mscale and m.yarn_mscale_all_dim:
+    if m.yarn_attention_factor:  # given explicitly (HF's rope_parameters.attention_factor)
+        attention_factor = m.yarn_attention_factor
+    elif m.yarn_mscale and m.yarn_mscale_all_dim:
         attention_factor = yarn_mscale(f, m.yarn_mscale) / yarn_mscale(f, m.yarn_mscale_all_dim)
     else:
         attention_factor = yarn_mscale(f)

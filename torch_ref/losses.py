@@ -6,6 +6,10 @@
   ``lb = E * sum_e f_e * P_e`` (Switch, f = fraction of the T*k assignments to e, P = mean
   normalised router probability), ``seq_aux`` (DeepSeek-V3 sequence-wise balance) and
   ``router_z = mean_t logsumexp(router_logits)^2``.
+* ``moe.lb_scope = "pooled"``: ``lb`` is instead transformers' Mixtral/Qwen3
+  ``load_balancing_loss_func``: every MoE layer's top-k counts and probabilities pooled over
+  (layer, token) rows before one product (balanced value = k), rows of attention padding
+  (``attention_mask == 0`` / ``segment_ids == 0``) left out; without either every row counts.
 * ``total = ce + z_loss_coef*z_loss + lb_coef*lb + seq_aux_coef*seq_aux + router_z_coef*router_z``.
 
 A batch is ``{"inputs": [B, S] int, "targets": [B, S] int, "mask": [B, S] (optional; 1 = valid)}``;
@@ -36,6 +40,30 @@ def load_balance_loss(scores: torch.Tensor, counts: torch.Tensor, e: MoEConfig) 
     f = counts.float() / (t * e.top_k)
     p = normalised_scores(scores, e).mean(0)
     return e.n_experts * (f * p).sum()
+
+
+def pooled_load_balance_loss(scores: torch.Tensor, idx: torch.Tensor, e: MoEConfig,
+                             pad: torch.Tensor | None = None) -> torch.Tensor:
+    """The pooled balance loss over all MoE layers: ``scores [Lm, T, E]``, ``idx [Lm, T, k]``,
+    ``pad [T]`` (1 = real token) or None. ``E * sum_e f_e * P_e`` with ``f_e`` = (weighted)
+    assignments to ``e`` over all rows / number of rows and ``P_e`` = mean probability."""
+    lm, t, n = scores.shape
+    w = torch.ones(t) if pad is None else pad.reshape(t).float()
+    rows = (lm * w.sum()).clamp(min=1e-20)
+    onehot = torch.nn.functional.one_hot(idx.long(), n).float()  # [Lm, T, k, E]
+    f = torch.einsum("ltke,t->e", onehot, w) / rows
+    p = torch.einsum("lte,t->e", normalised_scores(scores.float(), e), w) / rows
+    return n * (f * p).sum()
+
+
+def padding_mask(batch: dict) -> torch.Tensor | None:
+    """``[B, S]`` float, 1 = a real token: the batch's ``attention_mask`` or ``segment_ids > 0``;
+    None without either (the targets ``mask`` is not attention padding)."""
+    if batch.get("attention_mask") is not None:
+        return (batch["attention_mask"] > 0).float()
+    if batch.get("segment_ids") is not None:
+        return (batch["segment_ids"] > 0).float()
+    return None
 
 
 def seq_aux_loss(scores: torch.Tensor, idx: torch.Tensor, e: MoEConfig, batch: int) -> torch.Tensor:
@@ -80,6 +108,9 @@ def loss_terms(cfg: Config, logits: torch.Tensor, aux: dict, batch: dict, n_vali
     }
     for k in ("lb", "seq_aux", "router_z"):
         terms[k] = aux["losses"][k].float()
+    r = aux["router"]
+    if cfg.moe.lb_scope == "pooled" and r["scores"].shape[0] > 0:
+        terms["lb"] = pooled_load_balance_loss(r["scores"], r["topk_idx"], cfg.moe, padding_mask(batch))
     return terms
 
 

@@ -127,6 +127,14 @@ class Arch:
     to_hf: Callable[[Any], dict]  # cfg -> the arch-specific config.json keys
     from_hf: Callable[[dict, Any], None]  # (config.json dict, cfg) -> sets the arch-specific fields
     hf_defaults: dict = field(default_factory=dict)  # transformers' defaults for model_type
+    # config.json keys that name the same setting (transformers' attribute_map): when one of a
+    # group is given, no default fills in the others
+    hf_aliases: tuple = ()
+    # values HF's code hard-codes ("section.field" -> value): set on import, checked on export
+    fixed: dict = field(default_factory=dict)
+    # training semantics HF's code has ("section.field" -> value), set on import only (a config
+    # with another value still writes the same weights, e.g. moe.lb_scope)
+    on_import: dict = field(default_factory=dict)
     doc: str = ""
 
     # -- what the architecture can express ---------------------------------------------------
@@ -138,6 +146,11 @@ class Arch:
             out.append(f"model.attention={m.attention!r} ({self.name} uses {self.attention!r})")
         if e.score_func != self.score_func:
             out.append(f"moe.score_func={e.score_func!r} ({self.name} uses {self.score_func!r})")
+        for key, want in self.fixed.items():
+            section, name = key.split(".")
+            have = getattr(getattr(cfg, section), name)
+            if have != want:
+                out.append(f"{key}={have!r} ({self.name} fixes it at {want!r})")
         used = features_used(cfg)
         for f in sorted(used - self.features - self.required):
             out.append(f"{FEATURES[f]} ({self.name} has none)")
@@ -152,6 +165,23 @@ class Arch:
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise ConfigError(f"model.hf_arch={self.name!r} cannot express {bad[0]}{more}")
+
+    def with_defaults(self, d: dict) -> dict:
+        """config.json ``d`` with every missing key set to transformers' class default (keys
+        present with null stay null; an alias given counts as its whole group given)."""
+        given = set(d)
+        for group in self.hf_aliases:
+            if given & set(group):
+                given |= set(group)
+        out = {k: v for k, v in self.hf_defaults.items() if k not in given}
+        out.update(d)
+        return out
+
+    def apply_import(self, cfg) -> None:
+        """Set :attr:`fixed` and :attr:`on_import` on ``cfg`` (what an HF import always means)."""
+        for key, value in {**self.fixed, **self.on_import}.items():
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, value)
 
     # -- tensor names ------------------------------------------------------------------------
     def names(self, layout: str = "per-expert") -> dict[str, str]:

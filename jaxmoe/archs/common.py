@@ -34,6 +34,7 @@ def gqa_from_hf(d: dict, cfg) -> None:
     m, e = cfg.model, cfg.moe
     m.attention = "gqa"
     m.n_kv_heads = int(get(d, "num_key_value_heads", default=m.n_heads))
+    # absent or null head_dim: HF derives hidden_size // num_attention_heads
     m.head_dim = int(get(d, "head_dim", default=m.d_model // m.n_heads))
     m.rope_layout = "half"
     e.score_func = "softmax"
@@ -42,8 +43,21 @@ def gqa_from_hf(d: dict, cfg) -> None:
     e.topk_groups = 1
     e.use_expert_bias = False
     e.n_shared_experts = 0
-    if "router_aux_loss_coef" in d:
-        e.lb_coef = float(d["router_aux_loss_coef"])
+    # HF's coefficient multiplies its pooled load-balance loss (the records' on_import sets
+    # moe.lb_scope = "pooled")
+    e.lb_coef = float(get(d, "router_aux_loss_coef"))
 
 
-__all__ = ["get", "gqa_from_hf", "gqa_to_hf"]
+# config.json keys every supported transformers config class shares, with their class defaults
+COMMON_DEFAULTS = dict(
+    hidden_act="silu",
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,  # PreTrainedConfig.default_theta (Mixtral overrides it)
+)
+
+# What an HF import of Qwen3-MoE / Mixtral means for training: transformers' pooled
+# load_balancing_loss_func is what router_aux_loss_coef multiplies
+GQA_ON_IMPORT = {"moe.lb_scope": "pooled"}
+
+__all__ = ["COMMON_DEFAULTS", "GQA_ON_IMPORT", "get", "gqa_from_hf", "gqa_to_hf"]

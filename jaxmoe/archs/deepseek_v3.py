@@ -8,7 +8,7 @@ DeepSeek-V3 names.
 from __future__ import annotations
 
 from jaxmoe.archs.base import Arch
-from jaxmoe.archs.common import get
+from jaxmoe.archs.common import COMMON_DEFAULTS, get
 from jaxmoe.errors import ConfigError
 
 
@@ -70,15 +70,16 @@ def from_hf(d: dict, cfg) -> None:
             f"config.json qk_head_dim={qk} contradicts qk_nope_head_dim + qk_rope_head_dim = "
             f"{m.qk_nope_head_dim + m.qk_rope_head_dim}"
         )
-    m.rope_layout = "interleaved" if d.get("rope_interleave", True) else "half"
-    m.first_k_dense = int(d.get("first_k_dense_replace") or 0)
+    m.rope_layout = "interleaved" if get(d, "rope_interleave") else "half"
+    # HF: layer i is MoE iff i >= first_k_dense_replace (so a value past the last layer = all dense)
+    m.first_k_dense = min(int(d.get("first_k_dense_replace") or 0), m.n_layers)
     m.dense_ffn_dim = int(get(d, "intermediate_size"))
     e.n_experts = int(get(d, "n_routed_experts", "num_local_experts"))
     e.expert_ffn_dim = int(get(d, "moe_intermediate_size"))
     e.n_shared_experts = int(d.get("n_shared_experts") or 0)
     e.score_func = "sigmoid"
-    e.norm_topk_prob = bool(d.get("norm_topk_prob", True))
-    e.route_scale = float(d.get("routed_scaling_factor", 1.0))
+    e.norm_topk_prob = bool(get(d, "norm_topk_prob"))
+    e.route_scale = float(get(d, "routed_scaling_factor"))
     e.n_groups = int(d.get("n_group") or 1)
     e.topk_groups = int(d.get("topk_group") or 1)
     # HF's DeepseekV3 always selects with e_score_correction_bias; only an explicit
@@ -89,6 +90,23 @@ def from_hf(d: dict, cfg) -> None:
     elif "seq_aux" in d:
         e.seq_aux_coef = 0.0
 
+
+# HF's DeepseekV3Attention builds q_a_layernorm / kv_a_layernorm with DeepseekV3RMSNorm's default
+# eps, whatever rms_norm_eps says (transformers 5.25)
+MLA_NORM_EPS = 1e-6
+
+# transformers' DeepseekV3Config defaults (5.25), by config.json key. num_key_value_heads is left
+# out: its class default (128) only works when it equals num_attention_heads, which MLA needs.
+HF_DEFAULTS = dict(
+    COMMON_DEFAULTS,
+    attention_bias=False,
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096,
+    rms_norm_eps=1e-6, rope_interleave=True,
+)
 
 ARCH = Arch(
     name="deepseek_v3",
@@ -104,5 +122,8 @@ ARCH = Arch(
     bias_tensor=True,
     to_hf=to_hf,
     from_hf=from_hf,
+    hf_defaults=HF_DEFAULTS,
+    hf_aliases=(("n_routed_experts", "num_local_experts"),),
+    fixed={"model.mla_norm_eps": MLA_NORM_EPS},
     doc=__doc__.splitlines()[0],
 )

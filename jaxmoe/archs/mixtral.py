@@ -8,7 +8,7 @@ Its per-expert hub layout keeps the MoE block under ``block_sparse_moe.`` with p
 from __future__ import annotations
 
 from jaxmoe.archs.base import Arch
-from jaxmoe.archs.common import get, gqa_from_hf, gqa_to_hf
+from jaxmoe.archs.common import COMMON_DEFAULTS, GQA_ON_IMPORT, get, gqa_from_hf, gqa_to_hf
 from jaxmoe.errors import ConfigError
 
 
@@ -32,6 +32,17 @@ def from_hf(d: dict, cfg) -> None:
         raise ConfigError("config.json router_jitter_noise > 0 is not supported")
 
 
+# transformers' MixtralConfig defaults (5.25), by config.json key. head_dim: null -> HF derives
+# hidden_size // num_attention_heads; num_key_value_heads: null -> num_attention_heads.
+HF_DEFAULTS = dict(
+    COMMON_DEFAULTS,
+    rope_theta=1e6,  # MixtralConfig.default_theta
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+    rms_norm_eps=1e-5, sliding_window=None, num_experts_per_tok=2, num_local_experts=8,
+    router_aux_loss_coef=0.001, router_jitter_noise=0.0,
+)
+
 ARCH = Arch(
     name="mixtral",
     hf_class="MixtralForCausalLM",
@@ -45,5 +56,8 @@ ARCH = Arch(
     bias_tensor=False,
     to_hf=to_hf,
     from_hf=from_hf,
+    hf_defaults=HF_DEFAULTS,
+    hf_aliases=(("num_local_experts", "num_experts"),),
+    on_import=GQA_ON_IMPORT,
     doc=__doc__.splitlines()[0],
 )

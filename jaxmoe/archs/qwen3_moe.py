@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxmoe.archs.base import Arch
-from jaxmoe.archs.common import get, gqa_from_hf, gqa_to_hf
+from jaxmoe.archs.common import COMMON_DEFAULTS, GQA_ON_IMPORT, get, gqa_from_hf, gqa_to_hf
 from jaxmoe.errors import ConfigError
 
 
@@ -29,8 +29,8 @@ def from_hf(d: dict, cfg) -> None:
     m.qk_norm = True
     e.n_experts = int(get(d, "num_experts", "num_local_experts"))
     e.expert_ffn_dim = int(get(d, "moe_intermediate_size"))
-    e.norm_topk_prob = bool(d.get("norm_topk_prob", False))
-    m.dense_ffn_dim = int(get(d, "intermediate_size", default=m.dense_ffn_dim))
+    e.norm_topk_prob = bool(get(d, "norm_topk_prob"))
+    m.dense_ffn_dim = int(get(d, "intermediate_size"))
     dense = list(d.get("mlp_only_layers") or [])
     step = int(d.get("decoder_sparse_step", 1))
     if step != 1:
@@ -42,6 +42,18 @@ def from_hf(d: dict, cfg) -> None:
         )
     m.first_k_dense = len(dense)
 
+
+# transformers' Qwen3MoeConfig defaults (5.25), by config.json key. head_dim has no default:
+# HF derives hidden_size // num_attention_heads.
+HF_DEFAULTS = dict(
+    COMMON_DEFAULTS,
+    attention_bias=False,
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768,
+    rms_norm_eps=1e-6, use_sliding_window=False, decoder_sparse_step=1, moe_intermediate_size=768,
+    num_experts_per_tok=8, num_experts=128, norm_topk_prob=False, router_aux_loss_coef=0.001,
+    mlp_only_layers=[],
+)
 
 ARCH = Arch(
     name="qwen3_moe",
@@ -56,5 +68,8 @@ ARCH = Arch(
     bias_tensor=False,
     to_hf=to_hf,
     from_hf=from_hf,
+    hf_defaults=HF_DEFAULTS,
+    hf_aliases=(("num_experts", "num_local_experts"),),
+    on_import=GQA_ON_IMPORT,
     doc=__doc__.splitlines()[0],
 )

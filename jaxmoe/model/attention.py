@@ -70,9 +70,8 @@ class MLAttention(nnx.Module):
     ``k_rope`` is one head shared by all heads. RoPE touches only the rope parts. Softmax scale
     ``qh^-0.5 * yarn_mscale^2``.
 
-    Note: HF builds ``q_a_layernorm``/``kv_a_layernorm`` with its default eps (1e-6) rather than
-    ``rms_norm_eps``; we use ``rms_norm_eps``. They agree for every DeepSeek-V3/K2 checkpoint,
-    whose ``rms_norm_eps`` is 1e-6.
+    The two low-rank norms use ``model.mla_norm_eps`` (HF DeepSeek-V3 fixes them at 1e-6 whatever
+    ``rms_norm_eps`` says; the HF import sets it so).
     """
 
     @builds
@@ -84,7 +83,7 @@ class MLAttention(nnx.Module):
         qh = self.nope + self.rope
         self.scale = qh**-0.5 * yarn_softmax_mscale(m)
         ax = lambda *a: stack_axes(stack, a)  # noqa: E731
-        eps = m.rms_norm_eps
+        eps = m.mla_norm_eps
         if m.q_lora_rank > 0:
             r = m.q_lora_rank
             self.q_a_proj = Linear.declare(stack + (d, r), ax("embed", "lora"), normal(std))

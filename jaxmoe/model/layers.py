@@ -61,7 +61,8 @@ def rope_frequencies(m: ModelConfig) -> tuple[np.ndarray, float]:
     and extrapolated ones with a linear ramp between the correction dims found from
     ``beta_fast``/``beta_slow`` (floored/ceiled, HF's default ``truncate=True``), and
     ``attention_factor`` (which multiplies cos and sin) is ``mscale(f, mscale)/mscale(f, all_dim)``
-    when both are non-zero, else ``mscale(f)``.
+    when both are non-zero, else ``mscale(f)`` (HF ``_compute_yarn_parameters``, 5.25: an absent
+    ``mscale`` -- 0 here -- with ``mscale_all_dim`` given is ``mscale(f)``, not a ratio).
     """
     dim = m.rope_dim
     base = m.rope_theta
@@ -70,7 +71,9 @@ def rope_frequencies(m: ModelConfig) -> tuple[np.ndarray, float]:
     if m.rope_scaling != "yarn":
         return inv_extra.astype(np.float32), 1.0
     factor = m.yarn_factor
-    if m.yarn_mscale and m.yarn_mscale_all_dim:
+    if m.yarn_attention_factor:  # given explicitly: HF uses it as is
+        attention_factor = m.yarn_attention_factor
+    elif m.yarn_mscale and m.yarn_mscale_all_dim:
         attention_factor = _yarn_get_mscale(factor, m.yarn_mscale) / _yarn_get_mscale(
             factor, m.yarn_mscale_all_dim
         )

@@ -126,6 +126,8 @@ class Buffer(nnx.Variable):
 class ExpertBias(Buffer):
     """The aux-loss-free routing bias ``[E]`` (selection only), updated by the sign rule."""
 
+    keep_fp32 = True  # stored fp32 whatever the weights' dtype (HF e_score_correction_bias)
+
 
 # --------------------------------------------------------------------------------------------
 # Initialisers (fp32 master weights) and materialisation

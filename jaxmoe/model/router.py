@@ -95,6 +95,7 @@ class Router(Weight):
     matrix. ``router(x, bias, moe_cfg, forced_idx)`` is :func:`route` with this weight."""
 
     hf_transpose = True
+    keep_fp32 = True  # stored fp32 whatever the weights' dtype (as HF; conversions read this)
 
     def __call__(self, x, bias, moe_cfg: MoEConfig, forced_idx=None) -> RouterOut:
         return route(x, self.get_value(), bias, moe_cfg, forced_idx)

@@ -64,8 +64,9 @@ def add_args_logits(p) -> None:
     p.add_argument("--ckpt", required=True, help="hf:DIR | orbax:RUN_DIR | torch:FILE.safetensors")
     p.add_argument("--tokens", required=True, help="int token ids .npy, shape [batch, seq]")
     p.add_argument("--out", required=True, help="output .npy: fp32 logits [batch, seq, vocab]")
-    p.add_argument("--framework", choices=("jax", "torch"), default="jax",
-                   help="run jaxmoe (jax) or torch_ref (torch)")
+    p.add_argument("--framework", choices=("jax", "torch", "hf"), default="jax",
+                   help="run jaxmoe (jax), torch_ref (torch) or HF transformers itself (hf; torch "
+                        "and transformers come with the [ref] extra)")
 
 
 def run_logits(args) -> int:

@@ -206,11 +206,13 @@ def _remove(path: Path) -> None:
 
 
 def _out_dtypes(source, dst_kind: str, dtype) -> dict:
-    """Per-leaf output dtype: buffers stay fp32; else --dtype, else fp32 for orbax (jaxmoe master
-    params are fp32), else the source dtype."""
+    """Per-leaf output dtype: buffers, the router weight and the expert bias stay fp32
+    (:func:`hf_map.fp32_leaves`); else --dtype, else fp32 for orbax (jaxmoe master params are
+    fp32), else the source dtype."""
     out = {}
+    fp32 = hf_map.fp32_leaves(source.cfg)
     for key in source.keys():
-        if key.startswith("buffers/"):
+        if key in fp32:
             out[key] = np.dtype(np.float32)
         elif dtype is not None:
             out[key] = np.dtype(dtype)

@@ -142,6 +142,53 @@ def entries(cfg: Config, layout: str = "per-expert") -> list[Entry]:
     return out
 
 
+def detect_entries(cfg: Config, present) -> tuple[list[Entry], dict[int, str]]:
+    """The table of a checkpoint whose tensor names are ``present`` (a container of names):
+    each HF layer's rows come from the layout (:data:`LAYOUTS`) its tensor names use, so
+    per-expert and fused layers may even mix. A layer counts as fused when any name only the
+    fused layout has (``{moe}.experts.gate_up_proj``, Mixtral's ``mlp.gate.weight``, ...) is
+    present; else it is read per expert (and missing tensors are reported by that layout's
+    names). Returns ``(table, {hf layer: layout})``.
+    """
+    tables = {lay: entries(cfg, lay) for lay in LAYOUTS}
+    by_layer: dict[str, dict[int, list[Entry]]] = {}
+    for lay, table in tables.items():
+        for ent in table:
+            by_layer.setdefault(lay, {}).setdefault(hf_layer_index(ent.hf_name), []).append(ent)
+    base = by_layer[LAYOUTS[0]]
+    chosen: dict[int, str] = {}
+    for i in base:
+        if i is None:
+            continue
+        names = {e.hf_name for e in base[i]}
+        chosen[i] = LAYOUTS[0]
+        for lay in LAYOUTS[1:]:
+            own = {e.hf_name for e in by_layer[lay].get(i, [])} - names
+            if any(n in present for n in own):
+                chosen[i] = lay
+                break
+    out: list[Entry] = []
+    done: set[int] = set()
+    for ent in tables[LAYOUTS[0]]:
+        i = hf_layer_index(ent.hf_name)
+        if i is None:
+            out.append(ent)
+        elif i not in done:
+            done.add(i)
+            out.extend(by_layer[chosen[i]][i])
+    return out, chosen
+
+
+def tensors(table: list[Entry]) -> dict[str, list[Entry]]:
+    """Rows grouped by HF tensor, in table order: one HF tensor per key, its rows (two for a
+    fused ``gate_up_proj``: the gate part, then the up part; one otherwise). What a writer of
+    the fused layout assembles each tensor from: ``tensor[part] = leaf[index]`` (transposed)."""
+    out: dict[str, list[Entry]] = {}
+    for ent in table:
+        out.setdefault(ent.hf_name, []).append(ent)
+    return out
+
+
 def _per_expert(pre, names, leaves, row, stack, key_of):
     """The per-expert rows of one layer's expert leaves ``[E, in, out]`` each, expert-major."""
     n_exp = leaves[0][1].shape[1]
@@ -152,6 +199,19 @@ def _per_expert(pre, names, leaves, row, stack, key_of):
             hf = (inner[-1], inner[-2]) if d.hf_transpose else inner
             yield Entry(pre + names[name].replace("{e}", str(x)), key_of(f"{stack}/{name}", d),
                         (row, x), d.hf_transpose, hf)
+
+
+def fp32_leaves(cfg: Config) -> set[str]:
+    """Leaves stored fp32 whatever dtype the other weights get (``--dtype``, a bf16 checkpoint):
+    those whose declared type says ``keep_fp32`` -- the router weight and the expert bias, which
+    HF keeps fp32 too -- and every buffer."""
+    from jaxmoe.model.transformer import model_declarations
+
+    out = set()
+    for path, d in model_declarations(cfg).items():
+        if getattr(d.kind, "keep_fp32", False) or not d.trained:
+            out.add(("params/" if d.trained else "buffers/") + path)
+    return out
 
 
 def leaf_shapes(cfg: Config, table: list[Entry] | None = None) -> dict[str, tuple[int, ...]]:
@@ -215,5 +275,5 @@ def unflatten(flat: dict) -> dict:
     return tree
 
 
-__all__ = ["ZERO", "Entry", "IGNORED_SUFFIXES", "check_supported", "entries", "flatten",
-           "hf_layer_index", "leaf_entries", "leaf_shapes", "unflatten"]
+__all__ = ["ZERO", "Entry", "IGNORED_SUFFIXES", "check_supported", "detect_entries", "entries", "fp32_leaves",
+           "flatten", "hf_layer_index", "leaf_entries", "leaf_shapes", "tensors", "unflatten"]

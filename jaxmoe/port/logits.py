@@ -87,7 +87,8 @@ def _torch_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
     from torch_ref import hf_io
 
     with tempfile.TemporaryDirectory() as tmp:
-        if ep.kind == "hf":
+        # torch_ref reads the per-expert hub layout; a fused HF dir goes through a torch: file
+        if ep.kind == "hf" and "fused" not in TensorSource(ep).layouts.values():
             cfg, model = hf_io.load_hf(str(ep.path))
         else:
             ep = _as_file(ep, "torch", tmp)
@@ -119,10 +120,25 @@ def _hf_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
 FRAMEWORKS = {"jax": _jax_logits, "torch": _torch_logits, "hf": _hf_logits}
 
 
+# what each framework needs beyond jaxmoe's own dependencies (the `[ref]` extra installs them)
+NEEDS = {"jax": (), "torch": ("torch",), "hf": ("torch", "transformers")}
+
+
+def require(framework: str) -> None:
+    """UserError naming the ``[ref]`` extra when ``framework``'s packages are not installed."""
+    missing = [m for m in NEEDS[framework] if not _available(m)]
+    if missing:
+        raise UserError(f"--framework {framework} needs {' and '.join(missing)}, which is not "
+                        "installed; install the reference extra: pip install 'jaxmoe[ref]'")
+
+
 def compute_logits(ep: Endpoint, tokens: np.ndarray, framework: str = "jax") -> np.ndarray:
-    """fp32 logits [batch, seq, vocab] of checkpoint ``ep`` on ``tokens`` in ``framework``."""
+    """fp32 logits [batch, seq, vocab] of checkpoint ``ep`` on ``tokens`` in ``framework``:
+    ``jax`` (jaxmoe), ``torch`` (torch_ref) or ``hf`` (transformers' own model class, loaded with
+    ``from_pretrained`` from an HF directory, other kinds converted to one first)."""
     if framework not in FRAMEWORKS:
         raise UserError(f"--framework {framework!r}: choose {', '.join(FRAMEWORKS)}")
+    require(framework)
     return FRAMEWORKS[framework](ep, np.asarray(tokens))
 
 

@@ -58,11 +58,16 @@ def parse_endpoint(text: str, flag: str = "checkpoint") -> Endpoint:
 
 
 def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
-    """``dst[...] = src.T`` for 2-D arrays, in column tiles.
+    """``dst[...] = src`` with its last two dims swapped (2-D: the transpose), in column tiles.
 
     A plain ``dst[...] = src.T`` walks one side with a large stride and ran ~1.6x slower than this
-    on the bench's [512, 1024] expert matrices; tiles of 128 keep both sides in cache.
+    on the bench's [512, 1024] expert matrices; tiles of 128 keep both sides in cache. Stacked
+    ``[..., a, b]`` arrays (the fused layout's ``[E, ...]``) go matrix by matrix.
     """
+    if src.ndim > 2:
+        for i in range(src.shape[0]):
+            _transpose_into(dst[i], src[i], tile)
+        return
     if src.ndim != 2:
         dst[...] = src.T
         return
@@ -119,9 +124,10 @@ class TensorSource:
             except ValueError as e:
                 raise UserError(f"{ep}: bad {TORCH_CONFIG_KEY} metadata ({e})") from None
             what = "its jaxmoe_config"
-        self.table = hf_map.entries(self.cfg)
+        # each layer's expert layout (per-expert or fused) is read off its tensor names
+        self.table, self.layouts = hf_map.detect_entries(self.cfg, self.reader)
         self.groups = hf_map.leaf_entries(self.cfg, self.table)
-        self.shapes = hf_map.leaf_shapes(self.cfg, self.table)
+        self.shapes = hf_map.leaf_shapes(self.cfg)
         self._validate(what)
 
     def _validate(self, what: str) -> None:
@@ -131,8 +137,13 @@ class TensorSource:
         shaped, missing, extra, mtp = [], [], [], {}
         for name, ent in expected.items():
             if name not in r:
+                layout = ""
+                if "/experts/" in ent.key:  # neither layout's expert tensors are there
+                    layout = (f"; expert tensors must be in a supported HF layout: per-expert "
+                              f"({name.split('.experts.')[0]}.experts.{{e}}.<proj>.weight) or fused "
+                              f"({name.split('.experts.')[0]}.experts.gate_up_proj / .down_proj)")
                 missing.append(f"missing tensor {name} (expected shape {_shape(ent.hf_shape)} "
-                               f"from {what})")
+                               f"from {what}){layout}")
             elif tuple(r.shape(name)) != ent.hf_shape:
                 shaped.append(f"tensor {name} has shape {_shape(r.shape(name))} in the "
                               f"checkpoint but {what} implies {_shape(ent.hf_shape)}")
@@ -196,7 +207,14 @@ class TensorSource:
             from jaxmoe.checkpoint import release_pages as release
         for ent in self.groups[key]:
             slot = out[ent.index]
-            if not ent.transpose and self.reader.dtype(ent.hf_name) == out.dtype != FP8:
+            if ent.hf_part is not None:  # a part of a fused tensor: read only that part
+                t = self._part(ent)
+                if ent.transpose:
+                    _transpose_into(slot, t)
+                else:
+                    slot[...] = t
+                del t
+            elif not ent.transpose and self.reader.dtype(ent.hf_name) == out.dtype != FP8:
                 self.reader.read_into(ent.hf_name, slot)  # no temporary
             else:
                 t = self.tensor(ent.hf_name)
@@ -208,6 +226,18 @@ class TensorSource:
             if release is not None:
                 release(out)
         return out
+
+    def _part(self, ent: hf_map.Entry) -> np.ndarray:
+        """The range ``ent.hf_part`` of HF tensor ``ent.hf_name`` (a fused ``gate_up_proj``'s
+        gate or up half), read through a read-only map of the file: only its pages are read."""
+        dim, start, stop = ent.hf_part
+        if self.reader.dtype(ent.hf_name) == FP8:
+            whole = self.tensor(ent.hf_name)
+        else:
+            info = self.reader.infos[ent.hf_name]
+            whole = np.memmap(info.file, dtype=info.dtype, mode="r", offset=info.offset,
+                              shape=info.shape)
+        return whole[(slice(None),) * dim + (slice(start, stop),)]
 
     def close(self) -> None:
         pass
