@@ -26,6 +26,8 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import sys
 
 from jaxmoe.config import Config, count_params, human, load_config
 from jaxmoe.counting import flops_per_token
@@ -343,6 +345,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    if args.lower and "jax" not in sys.modules:
+        # the optimizer update's collectives are counted in a module compiled on 8 CPU devices;
+        # XLA reads the flag when the backend starts, so it must be set before jax is imported
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
     if not args.preset and not args.config:
         raise UserError("jaxmoe plan: give --preset NAME (or --config FILE)")
     cfg = load_config(preset=args.preset, path=args.config, overrides=args.overrides)
