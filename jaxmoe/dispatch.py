@@ -7,10 +7,13 @@ MoE layer inside the layer scan. :func:`make_dispatch` returns such a callable. 
 
 * tokens ``x [T_l, D]``, ``topk_idx``/``topk_weights [T_l, k]``: the device's slice of the batch
   (tokens are split over ``replica x fsdp x expert``, replicated over ``tensor``);
-* expert weights ``[E_l, D, I_t]`` / ``[E_l, I_t, D]``: its ``E_l = E / expert`` experts
-  (device ``j`` of the expert axis owns experts ``j*E_l ... (j+1)*E_l - 1``), gathered over
-  ``fsdp`` at entry (FSDP; autodiff reduce-scatters their gradients back) and split along ``I``
-  over ``tensor`` (partial outputs are ``psum``-ed over ``tensor`` at the end).
+* expert weights ``[E_l, D, I_t]`` / ``[E_l, I_t, D]``: its ``E_l = E / X`` experts, where X is
+  the product of the expert-parallel axes (``mesh.expert_axes``: ``expert``, or ``fsdp x expert``
+  to keep experts whole; device ``j`` of that product, major to minor, owns experts
+  ``j*E_l ... (j+1)*E_l - 1``), gathered over ``fsdp`` at entry when fsdp is not expert-parallel
+  (FSDP; autodiff reduce-scatters their gradients back), and split along ``I`` over ``tensor``
+  (partial outputs are ``psum``-ed over ``tensor`` at the end). Every collective below runs over
+  the expert-parallel axes (one name or the tuple ``("fsdp", "expert")``).
 
 Dispatchers (``mesh.dispatcher``):
 
@@ -21,7 +24,10 @@ Dispatchers (``mesh.dispatcher``):
     ``mesh.a2a_capacity_factor == 0``: ``C = T_l`` (the worst case, dropless). ``> 0``:
     ``C = ceil(cf * T_l * k / E)`` per *source device* (per chunk), filled by the LAYOUT.md
     priority rule (choice rank, then token index) among that device's tokens; the rest drop
-    (contribute zero, other weights not renormalised). Works on every backend.
+    (contribute zero, other weights not renormalised; counted in ``dropped``, reported as
+    ``dropped_frac``). The receive side then holds ``E * C`` rows per device: at most
+    ``cf * T_l * k + E - 1`` (exactly ``cf * T_l * k`` when E divides it), i.e. ``cf`` times the
+    balanced load, whatever the routing. Works on every backend.
 ``ragged_all_to_all``
     Dropless and sized to the real traffic: assignments are sorted by destination and sent with
     ``jax.lax.ragged_all_to_all`` (offsets exchanged with small all_to_alls). XLA:CPU does not

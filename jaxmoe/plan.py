@@ -27,13 +27,18 @@ import dataclasses
 import json
 import math
 import os
-import sys
+
+import jax
+from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import Config, count_params, human, load_config
 from jaxmoe.counting import flops_per_token
 from jaxmoe.errors import UserError
 from jaxmoe.mesh import parse_mesh, validate_mesh
-from jaxmoe.sharding import AXES, BATCH_AXES
+from jaxmoe.model.slots import capacity
+from jaxmoe.model.transformer import abstract_params, declared_groups
+from jaxmoe.optim import build_optimizer
+from jaxmoe.sharding import AXES, BATCH_AXES, _path_str, declared_axes_flat, expert_axes_of, matched_specs, param_specs
 
 MAX_REPLICATED_DENSE = 0.05  # a layout replicating more of the dense weights is reported
 GB = 1e9
@@ -98,13 +103,6 @@ def _is_expert(path: str) -> bool:
 def state_bytes(cfg: Config) -> dict:
     """Per-device bytes of params / buffers / optimizer state (split expert/dense), the
     replicated-dense statistics and the per-leaf table, from shapes and specs only."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from jaxmoe.model.transformer import abstract_params, declared_groups
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.sharding import AXES, _path_str, declared_axes_flat, expert_axes_of, matched_specs, param_specs
-
     sizes = {a: getattr(cfg.mesh, a) for a in AXES}
     ea = expert_axes_of(cfg.mesh.expert_axes)
     params, buffers = abstract_params(cfg)
@@ -174,17 +172,36 @@ def _attn_widths(m) -> list[int]:
                 m.n_heads * m.v_head_dim, m.d_model]
 
 
-def _layer_saved(cfg: Config, t: int, moe: bool) -> int:
-    """Bytes one layer keeps for its backward without remat: inputs of the norms, every matmul
-    output, the attention scores and probabilities ([B, H, S, S] fp32), the FFN intermediates."""
+def recv_rows(cfg: Config, t: int) -> int:
+    """Rows the expert FFN runs on per device and MoE layer: the dispatcher's receive buffer
+    (all_to_all: ``E * C``, C = ceil(cf*T*k/E) or T when cf = 0; ragged: the worst case
+    ``X * T * min(k, E_l)``; allgather: ``X * T * k``), padded to whole blocks on the blocked path."""
+    e = cfg.moe
+    n_x = math.prod(getattr(cfg.mesh, a) for a in expert_axes_of(cfg.mesh.expert_axes))
+    e_l = e.n_experts // n_x
+    kind = cfg.mesh.dispatcher
+    if kind == "all_to_all" or (kind == "auto" and cfg.mesh.a2a_capacity_factor > 0):
+        rows = e.n_experts * capacity(e, t, factor=cfg.mesh.a2a_capacity_factor)
+    elif kind == "allgather":
+        rows = n_x * t * e.top_k
+    else:  # ragged (what auto picks off CPU when dropless)
+        rows = n_x * t * min(e.top_k, e_l)
+    return rows + (e_l * e.block_size if e.compute_path == "blocked" else 0)
+
+
+def _layer_saved(cfg: Config, t: int, moe: bool, with_experts: bool = True) -> int:
+    """Bytes one layer keeps for its backward without remat: inputs of the norms, every attention
+    matmul output, the attention scores and probabilities ([B, H, S, S] fp32), the FFN
+    intermediates (MoE: gate/up on the received rows and the received rows themselves)."""
     m, e = cfg.model, cfg.moe
     b = _DTYPE_BYTES[cfg.train.dtype]
     s = cfg.train.seq_len
     widths = 2 * m.d_model + sum(_attn_widths(m))
     scores = 2 * (t // s) * m.n_heads * s * s * 4
     if moe:
-        ffn = t * (e.top_k * (2 * e.expert_ffn_dim + m.d_model) + e.n_experts * 4 // b)
-        ffn += t * e.n_shared_experts * (2 * e.expert_ffn_dim) + t * m.d_model
+        ffn = t * (e.n_experts * 4 // b + m.d_model + e.n_shared_experts * 2 * e.expert_ffn_dim)
+        if with_experts:
+            ffn += recv_rows(cfg, t) * (2 * e.expert_ffn_dim + m.d_model)
     else:
         ffn = t * (2 * m.dense_ffn_dim + m.d_model)
     return (t * widths + ffn) * b + scores
@@ -192,24 +209,24 @@ def _layer_saved(cfg: Config, t: int, moe: bool) -> int:
 
 def activation_bytes(cfg: Config, t: int) -> dict:
     """Activations per device by memory space for ``t`` tokens per micro-batch: what the
-    backward keeps (by ``train.remat``), one layer's working set, and the loss's fp32 logits."""
+    backward keeps (by ``train.remat``), one layer's working set (its expert part is counted in
+    :func:`dispatch_bytes`), and the loss's fp32 logits."""
     m = cfg.model
     b = _DTYPE_BYTES[cfg.train.dtype]
     mode = cfg.train.remat
     ld, lm = m.first_k_dense, m.n_moe_layers
-    per_dense, per_moe = _layer_saved(cfg, t, False), _layer_saved(cfg, t, True)
     carry = (ld + lm) * t * m.d_model * b  # the scan's saved layer inputs
+    work = max(_layer_saved(cfg, t, False) if ld else 0, _layer_saved(cfg, t, True, False) if lm else 0)
     host = 0
     if mode == "none":
-        saved = ld * per_dense + lm * per_moe + carry
+        saved = ld * _layer_saved(cfg, t, False) + lm * _layer_saved(cfg, t, True) + carry
         work = 0
-    elif mode == "save_dots":
-        dots = t * (sum(_attn_widths(m))) * b
-        saved = (ld + lm) * dots + carry
-        work = max(per_dense if ld else 0, per_moe if lm else 0)
+    elif mode == "save_dots":  # matmul outputs: attention, dense FFN, experts on received rows
+        e = cfg.moe
+        saved = (ld + lm) * t * sum(_attn_widths(m)) * b + carry
+        saved += ld * t * 2 * m.dense_ffn_dim * b + lm * recv_rows(cfg, t) * 2 * e.expert_ffn_dim * b
     else:  # full, offload: only layer inputs kept (offload: attn_out, ffn_out on the host too)
         saved = carry
-        work = max(per_dense if ld else 0, per_moe if lm else 0)
         if mode == "offload":
             host = 2 * (ld + lm) * t * m.d_model * b
     logits = t * m.vocab_size * (4 * 2 + b)  # fp32 logits and their gradient, the compute copy
@@ -217,25 +234,15 @@ def activation_bytes(cfg: Config, t: int) -> dict:
 
 
 def dispatch_bytes(cfg: Config, t: int) -> int:
-    """One MoE layer's expert-parallel buffers per device (send, receive, results, returned rows):
-    all_to_all: 4 x E*C rows of D (C = ceil(cf*T*k/E), or T when cf = 0); ragged: the receive
-    side's worst case X*T*min(k, E_l) rows; allgather: X*T rows gathered and X*T partial outputs."""
-    from jaxmoe.model.slots import capacity
-    from jaxmoe.sharding import expert_axes_of
-
+    """One MoE layer's expert-parallel working set per device: send, receive, result and returned
+    buffers (4 x R rows of D, R = :func:`recv_rows`) and the expert intermediates on the received
+    rows with their gradients (2 x R x 2I)."""
     m, e = cfg.model, cfg.moe
     if not m.n_moe_layers:
         return 0
     b = _DTYPE_BYTES[cfg.train.dtype]
-    n_x = math.prod(getattr(cfg.mesh, a) for a in expert_axes_of(cfg.mesh.expert_axes))
-    kind = cfg.mesh.dispatcher
-    if kind in ("all_to_all", "auto") and (kind == "all_to_all" or cfg.mesh.a2a_capacity_factor > 0):
-        rows = e.n_experts * capacity(e, t, factor=cfg.mesh.a2a_capacity_factor)
-        return 4 * rows * m.d_model * b
-    if kind == "allgather":
-        return n_x * t * m.d_model * (b + 4)
-    rows = n_x * t * min(e.top_k, e.n_experts // n_x)  # ragged (auto off CPU): dropless worst case
-    return 2 * rows * m.d_model * b + 2 * t * e.top_k * m.d_model * b
+    r = recv_rows(cfg, t)
+    return r * (4 * m.d_model + 4 * e.expert_ffn_dim) * b
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,9 +352,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.lower and "jax" not in sys.modules:
+    if args.lower:
         # the optimizer update's collectives are counted in a module compiled on 8 CPU devices;
-        # XLA reads the flag when the backend starts, so it must be set before jax is imported
+        # XLA reads the flag when the first backend starts (jax.devices()), which the CLI has not
+        # done yet
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
