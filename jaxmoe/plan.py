@@ -216,11 +216,11 @@ def activation_bytes(cfg: Config, t: int) -> dict:
     mode = cfg.train.remat
     ld, lm = m.first_k_dense, m.n_moe_layers
     carry = (ld + lm) * t * m.d_model * b  # the scan's saved layer inputs
+    # one layer's working set (its forward recomputed, or its activation gradients in the backward)
     work = max(_layer_saved(cfg, t, False) if ld else 0, _layer_saved(cfg, t, True, False) if lm else 0)
     host = 0
     if mode == "none":
         saved = ld * _layer_saved(cfg, t, False) + lm * _layer_saved(cfg, t, True) + carry
-        work = 0
     elif mode == "save_dots":  # matmul outputs: attention, dense FFN, experts on received rows
         e = cfg.moe
         saved = (ld + lm) * t * sum(_attn_widths(m)) * b + carry
