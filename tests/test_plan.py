@@ -133,3 +133,17 @@ def test_lower_and_optimizer_update_collectives(capsys):
     assert c["dense"]["ops"] > 0
     fsdp_experts = plan_config(load_config("tiny"), parse_mesh("fsdp=2,expert=4"), optimizer="muon")
     assert optimizer_update_collectives(fsdp_experts)["expert"]["ops"] > 0
+
+
+@slow
+def test_europa_lowered_show():
+    """The issue's Show (minutes on 2 cores): europa-952b on replica=4,fsdp=128,expert=3 with Muon
+    lowers, fits 96 GB + 120 GB, replicates <= 5% of the dense weights and its expert update has
+    no collectives; replica=4,expert=384 does not fit."""
+    cfg = plan_config(load_config("europa-952b"), parse_mesh("replica=4,fsdp=128,expert=3"), optimizer="muon")
+    new = make_plan(cfg, device_memory_gb=96, host_memory_gb=120, lower=True)
+    assert new["lowered"] and new["fits"] and new["replicated_dense_fraction"] <= 0.05
+    assert new["optimizer_update_collectives"]["expert"]["ops"] == 0
+    old = make_plan(plan_config(load_config("europa-952b"), parse_mesh("replica=4,expert=384"), optimizer="muon"),
+                    device_memory_gb=96, host_memory_gb=120, lower=True)
+    assert old["lowered"] and not old["fits"] and old["replicated_dense_fraction"] > 0.5
