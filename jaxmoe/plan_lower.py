@@ -11,12 +11,14 @@ per-device shapes reported are each input's ``sharding.shard_shape`` and XLA's
 mesh's devices).
 
 Collectives of the optimizer update are therefore counted in a module XLA *did* partition: the
-update (``tx.update`` of the config's optimizer) compiled on 8 CPU devices, at reduced width
-(:func:`reduced_config`: the same architecture with small dims chosen so that every leaf gets the
-same PartitionSpec as at full size, and the mesh axes that are > 1 scaled down to 8 devices), once
-for the routed-expert leaves and once for the dense ones (gradient clipping off in both: its global
-norm is one scalar all-reduce, reported as ``clip``). The JSON says which module the counts came
-from (``module``) and whether the reduced layout matched (``same_specs``).
+update (``tx.update`` of the config's optimizer) compiled by XLA:CPU on at most 8 devices
+(:func:`reduced_config`: the same architecture at full width with one dense and one MoE layer, a
+small vocabulary, the same number of experts per device, and each mesh axis reduced to the
+product of its distinct prime factors, e.g. fsdp=128 -> 2, expert=3 -> 3), once for the
+routed-expert leaves and once for the dense ones (gradient clipping off in both: its global norm
+is one scalar all-reduce, reported as ``clip``). The JSON says which module the counts came from
+(``module``), and lists the leaves whose reduced PartitionSpec differs from the full-size one
+(``spec_differences``; e.g. a dim that fsdp=2 divides but fsdp=128 does not).
 """
 
 from __future__ import annotations
