@@ -198,14 +198,17 @@ def test_capacity_bounds_the_receive_buffer(expert_axes, cf):
     _close(y, jnp.concatenate([o[0] for o in outs]), what="output")
 
 
-def test_ragged_all_to_all_lowers_on_cpu():
-    """XLA:CPU cannot compile ragged_all_to_all, but the real code path must trace and lower."""
+@pytest.mark.parametrize("mesh_spec,expert_axes", [("expert=8", "expert"), ("fsdp=2,expert=4", "fsdp,expert")])
+def test_ragged_all_to_all_lowers_on_cpu(mesh_spec, expert_axes):
+    """XLA:CPU cannot compile ragged_all_to_all, but the real code path must trace and lower
+    (over one axis, or over the fsdp x expert product: one group of all 8 devices)."""
     x, idx, w, weights = _inputs()
-    cfg = _cfg()
-    mesh = make_mesh(resolve_mesh_shape(parse_mesh("expert=8"), 8))
+    cfg = _cfg(expert_axes=expert_axes)
+    mesh = make_mesh(resolve_mesh_shape(parse_mesh(mesh_spec), 8))
     fn = make_dispatch(cfg, mesh, "ragged_all_to_all")
-    lowered = _loss_fn(fn, cfg.moe).lower(x, w, weights, idx)
-    assert "ragged_all_to_all" in lowered.as_text()
+    text = _loss_fn(fn, cfg.moe).lower(x, w, weights, idx).as_text()
+    lines = [ln for ln in text.splitlines() if "@ragged_all_to_all" in ln]
+    assert lines and all("[[0, 1, 2, 3, 4, 5, 6, 7]]" in ln for ln in lines)
 
 
 def test_resolve_dispatcher():
