@@ -20,6 +20,7 @@ from jaxmoe.errors import UserError
 COMMANDS = {
     "train": ("jaxmoe.train", "train a model (default: tiny on the embedded corpus, on CPU)"),
     "count": (None, "analytic total / active parameter counts of a preset"),
+    "plan": ("jaxmoe.plan", "will a preset's train step fit a mesh? per-device memory, FLOPs, lowering"),
     "plot": ("jaxmoe.plot", "write PNG plots from a training run's metrics.jsonl"),
     "tokenizer": ("jaxmoe.data", "train a byte-level BPE tokenizer.json on text files"),
     "convert": ("jaxmoe.port.cli", "convert checkpoints between hf:, orbax: and torch:"),

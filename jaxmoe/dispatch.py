@@ -7,10 +7,13 @@ MoE layer inside the layer scan. :func:`make_dispatch` returns such a callable. 
 
 * tokens ``x [T_l, D]``, ``topk_idx``/``topk_weights [T_l, k]``: the device's slice of the batch
   (tokens are split over ``replica x fsdp x expert``, replicated over ``tensor``);
-* expert weights ``[E_l, D, I_t]`` / ``[E_l, I_t, D]``: its ``E_l = E / expert`` experts
-  (device ``j`` of the expert axis owns experts ``j*E_l ... (j+1)*E_l - 1``), gathered over
-  ``fsdp`` at entry (FSDP; autodiff reduce-scatters their gradients back) and split along ``I``
-  over ``tensor`` (partial outputs are ``psum``-ed over ``tensor`` at the end).
+* expert weights ``[E_l, D, I_t]`` / ``[E_l, I_t, D]``: its ``E_l = E / X`` experts, where X is
+  the product of the expert-parallel axes (``mesh.expert_axes``: ``expert``, or ``fsdp x expert``
+  to keep experts whole; device ``j`` of that product, major to minor, owns experts
+  ``j*E_l ... (j+1)*E_l - 1``), gathered over ``fsdp`` at entry when fsdp is not expert-parallel
+  (FSDP; autodiff reduce-scatters their gradients back), and split along ``I`` over ``tensor``
+  (partial outputs are ``psum``-ed over ``tensor`` at the end). Every collective below runs over
+  the expert-parallel axes (one name or the tuple ``("fsdp", "expert")``).
 
 Dispatchers (``mesh.dispatcher``):
 
@@ -21,7 +24,10 @@ Dispatchers (``mesh.dispatcher``):
     ``mesh.a2a_capacity_factor == 0``: ``C = T_l`` (the worst case, dropless). ``> 0``:
     ``C = ceil(cf * T_l * k / E)`` per *source device* (per chunk), filled by the LAYOUT.md
     priority rule (choice rank, then token index) among that device's tokens; the rest drop
-    (contribute zero, other weights not renormalised). Works on every backend.
+    (contribute zero, other weights not renormalised; counted in ``dropped``, reported as
+    ``dropped_frac``). The receive side then holds ``E * C`` rows per device: at most
+    ``cf * T_l * k + E - 1`` (exactly ``cf * T_l * k`` when E divides it), i.e. ``cf`` times the
+    balanced load, whatever the routing. Works on every backend.
 ``ragged_all_to_all``
     Dropless and sized to the real traffic: assignments are sorted by destination and sent with
     ``jax.lax.ragged_all_to_all`` (offsets exchanged with small all_to_alls). XLA:CPU does not
@@ -57,6 +63,7 @@ psum_scatter), and ``shard_map`` sums the cotangent of an input that is replicat
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +72,12 @@ from jax.sharding import PartitionSpec as P
 from jaxmoe.errors import UserError
 from jaxmoe.model.experts import grouped_swiglu
 from jaxmoe.model.slots import capacity, combine, slot_positions
+from jaxmoe.sharding import expert_axes_of
 
 # KINDS / TEST_KINDS: see DISPATCHERS (the table of implementations) at the end of the chunks
 
 TOKEN_AXES = ("replica", "fsdp", "expert")
-EXPERT_AXIS = "expert"
+EXPERT_AXIS = "expert"  # the default expert-parallel axis (mesh.expert_axes = "expert")
 TENSOR_AXIS = "tensor"
 # Workaround (jax >= 0.7 shard_map typing): check_vma=True types every value by the manual mesh
 # axes it varies over. The blocked expert path's loop carries are now built with that type
@@ -133,7 +141,7 @@ def _local_compute(x_src, src_row, row_expert, weights, n_local, path, block_siz
 # --------------------------------------------------------------------------------------------
 
 
-def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size, moe_cfg, **_):
+def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size, moe_cfg, ax, **_):
 
     t, k = idx.shape
     d = x.shape[-1]
@@ -146,13 +154,13 @@ def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size, moe_cfg, **_)
     rows = jnp.broadcast_to(x[:, None, :], (t, k, d)).reshape(t * k, d)
     buf = jnp.zeros((n_exp * cap, d), x.dtype).at[slot.reshape(-1)].add(rows, mode="drop")
     kept = jnp.zeros((n_exp,), jnp.int32).at[slot.reshape(-1) // cap].add(1, mode="drop")
-    recv = jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0, tiled=True)  # [X(src), E_l, C, D] flat
-    rc = jax.lax.all_to_all(kept, EXPERT_AXIS, 0, 0, tiled=True).reshape(n_x, e_l)
+    recv = jax.lax.all_to_all(buf, ax, 0, 0, tiled=True)  # [X(src), E_l, C, D] flat
+    rc = jax.lax.all_to_all(kept, ax, 0, 0, tiled=True).reshape(n_x, e_l)
     # slot (s, l, c) holds a real row iff c < rc[s, l]
     valid = jnp.arange(cap)[None, None, :] < rc[:, :, None]
     row_e = jnp.where(valid, jnp.arange(e_l)[None, :, None], e_l).reshape(-1)
     y_rows = _local_compute(recv, jnp.arange(recv.shape[0]), row_e, wl, e_l, path, block_size)
-    back = jax.lax.all_to_all(y_rows, EXPERT_AXIS, 0, 0, tiled=True)  # my slots, computed
+    back = jax.lax.all_to_all(y_rows, ax, 0, 0, tiled=True)  # my slots, computed
     y_assign = back.at[slot].get(mode="fill", fill_value=0)  # [T, k, D]
     dropped = jnp.sum(~keep).astype(jnp.int32)
     return combine(y_assign, w), dropped
@@ -180,16 +188,16 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
     return jnp.where(hit[:, None], vals, output)
 
 
-def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, emulate=False, **_):
+def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, ax, emulate=False, **_):
 
     t, k = idx.shape
     d = x.shape[-1]
     e_l = n_exp // n_x
     n = t * k
     if emulate:
-        ragged = functools.partial(ragged_all_to_all_emulated, axis_name=EXPERT_AXIS, axis_size=n_x)
+        ragged = functools.partial(ragged_all_to_all_emulated, axis_name=ax, axis_size=n_x)
     else:
-        ragged = functools.partial(jax.lax.ragged_all_to_all, axis_name=EXPERT_AXIS)
+        ragged = functools.partial(jax.lax.ragged_all_to_all, axis_name=ax)
     flat_e = idx.reshape(-1)  # assignment a = token a // k, choice a % k
     order = jnp.argsort(flat_e, stable=True)  # by expert, hence by destination device
     inverse = jnp.argsort(order)
@@ -197,10 +205,10 @@ def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, emulate=False,
     cnt = jnp.zeros((n_exp,), jnp.int32).at[flat_e].add(1)
     send_sizes = cnt.reshape(n_x, e_l).sum(1)
     in_off = jnp.cumsum(send_sizes) - send_sizes
-    rc = jax.lax.all_to_all(cnt, EXPERT_AXIS, 0, 0, tiled=True).reshape(n_x, e_l)  # [src, l]
+    rc = jax.lax.all_to_all(cnt, ax, 0, 0, tiled=True).reshape(n_x, e_l)  # [src, l]
     recv_sizes = rc.sum(1)
-    sizes_all = jax.lax.all_gather(send_sizes, EXPERT_AXIS)  # [src, dst]
-    me = jax.lax.axis_index(EXPERT_AXIS)
+    sizes_all = jax.lax.all_gather(send_sizes, ax)  # [src, dst]
+    me = jax.lax.axis_index(ax)
     out_off = (jnp.cumsum(sizes_all, 0) - sizes_all)[me]  # where my slice lands on each dst
     r_max = n_x * t * min(k, e_l)  # worst case: every source sends all its tokens here
     recv = ragged(x_send, jnp.zeros((r_max, d), x.dtype), in_off, send_sizes, out_off, recv_sizes)
@@ -211,27 +219,27 @@ def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, emulate=False,
     row_e = jnp.where(r < seg_end[-1], seg % e_l, e_l)
     y_rows = _local_compute(recv, r, row_e, wl, e_l, path, block_size)
     recv_off = jnp.cumsum(recv_sizes) - recv_sizes
-    back_off = jax.lax.all_to_all(in_off, EXPERT_AXIS, 0, 0, tiled=True)  # src's offset for me
+    back_off = jax.lax.all_to_all(in_off, ax, 0, 0, tiled=True)  # src's offset for me
     back = ragged(y_rows, jnp.zeros((n, d), x.dtype), recv_off, recv_sizes, back_off, send_sizes)
     y_assign = back[inverse].reshape(t, k, d)
     return combine(y_assign, w), jnp.zeros((), jnp.int32)
 
 
-def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, **_):
+def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, ax, **_):
 
     t, k = idx.shape
     e_l = n_exp // n_x
-    xg = jax.lax.all_gather(x, EXPERT_AXIS, axis=0, tiled=True)  # [X*T, D]
-    ig = jax.lax.all_gather(idx, EXPERT_AXIS, axis=0, tiled=True)
-    wg = jax.lax.all_gather(w, EXPERT_AXIS, axis=0, tiled=True)
-    me = jax.lax.axis_index(EXPERT_AXIS)
+    xg = jax.lax.all_gather(x, ax, axis=0, tiled=True)  # [X*T, D]
+    ig = jax.lax.all_gather(idx, ax, axis=0, tiled=True)
+    wg = jax.lax.all_gather(w, ax, axis=0, tiled=True)
+    me = jax.lax.axis_index(ax)
     le = ig - me * e_l
     mine = (le >= 0) & (le < e_l)
     row_e = jnp.where(mine, le, e_l).reshape(-1)  # assignment a = token a // k
     src = jnp.arange(row_e.shape[0]) // k
     y_rows = _local_compute(xg, src, row_e, wl, e_l, path, block_size)
     part = combine(y_rows.reshape(n_x * t, k, -1), jnp.where(mine, wg, 0.0))  # [X*T, D] fp32
-    y = jax.lax.psum_scatter(part, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    y = jax.lax.psum_scatter(part, ax, scatter_dimension=0, tiled=True)
     return y, jnp.zeros((), jnp.int32)
 
 
@@ -272,18 +280,22 @@ def make_dispatch(cfg, mesh, kind: str):
     if kind not in KINDS + TEST_KINDS:
         raise UserError(f"unknown dispatcher {kind!r}; choose one of {', '.join(KINDS)}")
     chunk_fn = DISPATCHERS[kind]
-    n_x = mesh.shape[EXPERT_AXIS]
+    ep = expert_axes_of(getattr(cfg.mesh, "expert_axes", "expert"))
+    # collectives run over the product of the expert-parallel axes (one name or a tuple of them;
+    # device j of that product, major to minor in `ep` order, owns experts j*E_l ... (j+1)*E_l-1)
+    ax = ep[0] if len(ep) == 1 else ep
+    n_x = math.prod(mesh.shape[a] for a in ep)
     n_chunks = cfg.mesh.dispatch_chunks
     cf = cfg.mesh.a2a_capacity_factor
     tok = P(TOKEN_AXES, None)
-    w_in = P(EXPERT_AXIS, None, TENSOR_AXIS)  # gate/up [E, D, I]: D gathered over fsdp (FSDP)
-    w_out = P(EXPERT_AXIS, TENSOR_AXIS, None)  # down [E, I, D]
+    w_in = P(ax, None, TENSOR_AXIS)  # gate/up [E, D, I]: D gathered over fsdp if it is not in ep
+    w_out = P(ax, TENSOR_AXIS, None)  # down [E, I, D]
 
     def dispatch(x, topk_idx, topk_weights, weights, moe_cfg, *, path=None):
         local_path = path or moe_cfg.compute_path  # its grouped form runs on the received rows
         n_exp = weights["gate_proj"].shape[0]
         if n_exp % n_x:
-            raise UserError(f"mesh axis expert={n_x} does not divide the {n_exp} experts")
+            raise UserError(f"mesh axes {'*'.join(ep)}={n_x} do not divide the {n_exp} experts")
 
         def body(x, idx, w, wg, wu, wd):
             t = x.shape[0]
@@ -293,7 +305,7 @@ def make_dispatch(cfg, mesh, kind: str):
                 )
             wl = {"gate_proj": wg, "up_proj": wu, "down_proj": wd}
             one = functools.partial(chunk_fn, n_exp=n_exp, n_x=n_x, path=local_path,
-                                    block_size=moe_cfg.block_size, moe_cfg=moe_cfg, cf=cf)
+                                    block_size=moe_cfg.block_size, moe_cfg=moe_cfg, cf=cf, ax=ax)
             tc = t // n_chunks
             ys, dropped = [], jnp.zeros((), jnp.int32)
             for c in range(n_chunks):  # unrolled: chunk c's collectives can overlap c+1's compute

@@ -44,7 +44,7 @@ from jaxmoe.optim import build_optimizer, lr_schedule
 from jaxmoe.prefetch import Prefetcher
 from jaxmoe.preempt import EXIT_PREEMPTED, Preemption
 from jaxmoe.run_dir import RunDir
-from jaxmoe.step import device_peak_flops, init_state, make_eval_step, make_train_step
+from jaxmoe.step import device_peak_flops, init_state, make_eval_step, make_train_step, opt_init_fn
 
 EXIT_STOPPED = 3  # train.max_bad_steps non-finite steps in a row
 
@@ -124,10 +124,7 @@ class Trainer:
         else:
             pb = None if shardings is None else (sh["params"], sh["buffers"])
             params, buffers = init_fn(cfg, pb)(cfg.train.seed)
-        rest = jax.jit(lambda p, b: {k: v for k, v in init_state(cfg, tx, p, b).items()
-                                     if k not in ("params", "buffers")},
-                       out_shardings=None if shardings is None else
-                       {k: v for k, v in sh.items() if k not in ("params", "buffers")})(params, buffers)
+        rest = opt_init_fn(cfg, tx, shardings)(params, buffers)
         return {"params": params, "buffers": buffers, **rest}
 
     def _initial_state(self, tx, ckpt: Checkpointer):

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
-from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, matched_specs, param_specs
+from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, matched_specs, param_specs
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,6 +111,11 @@ class MeshContext:
         return BATCH_AXES
 
     @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The expert-parallel mesh axes (``mesh.expert_axes``): experts' E axis and dispatch."""
+        return expert_axes_of(self.cfg.mesh.expert_axes)
+
+    @property
     def n_batch_shards(self) -> int:
         return math.prod(self.sizes[a] for a in BATCH_AXES)
 
@@ -127,12 +132,12 @@ class MeshContext:
 
         rep: list = []
         specs = {}
-        pspec = param_specs(state["params"], self.axes, self.sizes, rep)
+        pspec = param_specs(state["params"], self.axes, self.sizes, rep, self.expert_axes)
         for k, v in state.items():
             if k == "params":
                 specs[k] = pspec
             elif k == "buffers":
-                specs[k] = param_specs(v, self.axes, self.sizes, rep)
+                specs[k] = param_specs(v, self.axes, self.sizes, rep, self.expert_axes)
             elif k == "opt_state":
                 specs[k] = matched_specs(v, state["params"], pspec)
             else:
@@ -159,7 +164,7 @@ class MeshContext:
         import jax
         from jax.sharding import PartitionSpec as P
 
-        specs = param_specs(params, self.axes, self.sizes)
+        specs = param_specs(params, self.axes, self.sizes, expert_axes=self.expert_axes)
         return jax.tree.map(lambda x, s: _place(x, self.named(s)), params, specs,
                             is_leaf=lambda x: isinstance(x, P) or hasattr(x, "shape"))
 
@@ -220,10 +225,14 @@ def validate_mesh(cfg: Config, sizes: dict[str, int]) -> None:
         get_path(e.compute_path, under_mesh=True)
     except ValueError as err:
         raise UserError(str(err)) from None
-    if cfg.model.n_moe_layers and e.n_experts % sizes["expert"]:
+    ep = expert_axes_of(cfg.mesh.expert_axes)
+    n_ep = math.prod(sizes[a] for a in ep)
+    if cfg.model.n_moe_layers and e.n_experts % n_ep:
+        what = "*".join(f"{a}={sizes[a]}" for a in ep)
         raise UserError(
-            f"mesh axis expert={sizes['expert']} does not divide moe.n_experts={e.n_experts}; "
-            f"choose an expert axis size that divides {e.n_experts}"
+            f"mesh axis {what} does not divide moe.n_experts={e.n_experts}; choose "
+            f"{'an expert axis size' if len(ep) == 1 else 'fsdp*expert sizes'} that divide{'s' if len(ep) == 1 else ''} {e.n_experts}"
+            + (" (or set mesh.expert_axes='expert')" if len(ep) > 1 else "")
         )
     nb = math.prod(sizes[a] for a in BATCH_AXES)
     per_micro = t.batch_size // t.micro_batches

@@ -125,6 +125,9 @@ class MeshConfig:
     # expert-parallel dispatcher (implementations: jaxmoe.dispatch.DISPATCHERS); auto picks per backend
     dispatcher: Literal["auto", "all_to_all", "ragged_all_to_all", "allgather"] = "auto"
     a2a_capacity_factor: float = 0.0  # 0 = worst case (dropless)
+    # expert-parallel axes (experts' E axis and the dispatch); "fsdp,expert" keeps experts whole
+    # when fsdp > 1 (jaxmoe.sharding.LOGICAL_RULES["experts"])
+    expert_axes: Literal["expert", "fsdp,expert"] = "expert"
     dispatch_chunks: int = 1  # split tokens into chunks so all-to-all overlaps compute
     xla_flags_profile: Literal["none", "gpu_overlap"] = "none"
 

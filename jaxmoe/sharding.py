@@ -26,7 +26,11 @@ How sharding is decided, in three steps (the mesh itself and placement: :mod:`ja
    layout expressible: 384 = 3 * 128 divides few of europa-952b's dense dims (``d_model=7168``
    does not), so those matrices are sharded along their other dim where it divides (e.g. the
    dense FFN's 13824) and the rest (embedding, lm_head, ``o_proj`` [8192, 7168], ``kv_a_proj``,
-   ``kv_b_proj``) stay replicated — see ``tests/test_sharding.py`` for the per-device size.
+   ``kv_b_proj``) stay replicated — see ``tests/test_sharding.py`` for the per-device size. The
+   layout that fits is the factored one, ``replica=4,fsdp=128,expert=3`` with
+   ``mesh.expert_axes = "fsdp,expert"``: the experts' E axis over fsdp x expert (384 whole experts,
+   one per device) and every dense weight FSDP-sharded over fsdp (7168 = 128 x 56) or more;
+   ``jaxmoe plan`` reports the replicated share and whether experts stay whole.
 
 Optimizer state is sharded like the parameter it belongs to: every optax leaf whose key path ends
 in a parameter path and whose shape equals that parameter's gets the parameter's sharding; other
@@ -58,14 +62,30 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     "lora": ("fsdp", "expert"),  # MLA low-rank dims: FSDP too (q_b_proj/kv_b_proj have no embed dim)
     "norm": None,
     "router_experts": None,  # router's E output dim and the expert bias: tiny, replicated
-    "experts": ("expert",),  # experts' E axis
-    "expert_embed": ("fsdp",),  # when fsdp > 1 the experts' next dim is FSDP-sharded too
+    # experts' E axis: the expert-parallel axes, i.e. those of this entry named in
+    # ``mesh.expert_axes`` ("expert" by default; "fsdp,expert" keeps experts whole with fsdp > 1:
+    # E over fsdp x expert, e.g. 384 experts on fsdp=128 x expert=3, one per device per layer)
+    "experts": ("fsdp", "expert"),
+    # when fsdp is not expert-parallel the experts' next dim is FSDP-sharded over it (gathered at
+    # dispatch entry); when it is, the experts dim already claimed it and this stays unsharded
+    "expert_embed": ("fsdp",),
     "expert_mlp": ("tensor",),
 }
 
 # logical axes whose mesh axes may move to another dim of the same array (or shrink to a subset)
 # when they do not divide; every other sharded logical axis must divide exactly (else UserError)
 FSDP_LIKE = {"embed", "expert_embed", "lora"}
+
+EXPERT_AXES_CHOICES = ("expert", "fsdp,expert")  # values of mesh.expert_axes
+
+
+def expert_axes_of(value: str | None) -> tuple[str, ...]:
+    """``mesh.expert_axes`` (``"expert"`` or ``"fsdp,expert"``) -> the expert-parallel mesh axes,
+    in :data:`LOGICAL_RULES` order (the order of the E blocks over the devices)."""
+    names = tuple(a for a in (value or "expert").replace(" ", "").split(",") if a)
+    if ",".join(names) not in EXPERT_AXES_CHOICES:
+        raise UserError(f"mesh.expert_axes={value!r}: choose one of {', '.join(repr(c) for c in EXPERT_AXES_CHOICES)}")
+    return tuple(a for a in LOGICAL_RULES["experts"] if a in names)
 
 
 def declared_axes_flat(cfg: Config) -> dict[str, tuple]:
@@ -100,7 +120,7 @@ def _subsets(axes: tuple[str, ...]) -> list[tuple[str, ...]]:
 
 
 def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[str, int],
-             replicated: list | None = None):
+             replicated: list | None = None, expert_axes: tuple[str, ...] = ("expert",)):
     """PartitionSpec of one leaf (``axes``: its declared logical axes) from the rules table.
 
     Each dim takes the live (size > 1) mesh axes of its logical name; a mesh axis is used at most
@@ -110,7 +130,10 @@ def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[
       first, on this dim or another free non-layer dim (largest dim first) that they divide, also
       trying subsets of the axes (e.g. only ``fsdp`` when ``fsdp*expert`` does not divide);
       nothing fits -> the array stays replicated along them (listed in ``replicated``);
-    * anything else (``experts`` over ``expert``, dims over ``tensor``): one-line UserError.
+    * anything else (``experts`` over the expert-parallel axes, dims over ``tensor``): one-line
+      UserError.
+
+    ``expert_axes`` (:func:`expert_axes_of`): which axes of the ``experts`` rule are used.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -124,7 +147,10 @@ def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[
     used: set[str] = set()
     pending = []
     for i, name in enumerate(axes):
-        mesh_axes = tuple(a for a in _live(LOGICAL_RULES.get(name) if name else None, sizes) if a not in used)
+        rule = LOGICAL_RULES.get(name) if name else None
+        if name == "experts":
+            rule = tuple(a for a in rule if a in expert_axes)
+        mesh_axes = tuple(a for a in _live(rule, sizes) if a not in used)
         if not mesh_axes:
             continue
         n = math.prod(sizes[a] for a in mesh_axes)
@@ -175,14 +201,15 @@ def _path_str(keypath) -> list[str]:
     return out
 
 
-def param_specs(tree, axes: dict[str, tuple], sizes: dict[str, int], replicated: list | None = None):
+def param_specs(tree, axes: dict[str, tuple], sizes: dict[str, int], replicated: list | None = None,
+                expert_axes: tuple[str, ...] = ("expert",)):
     """PartitionSpecs for a params (or buffers) nested dict, leaf by leaf; ``axes``: declared
     logical axes by ``/``-joined path (:func:`declared_axes_flat`)."""
     import jax
 
     def one(kp, x):
         path = "/".join(_path_str(kp))
-        return spec_for(path, tuple(x.shape), axes.get(path), sizes, replicated)
+        return spec_for(path, tuple(x.shape), axes.get(path), sizes, replicated, expert_axes)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -214,9 +241,11 @@ def matched_specs(tree, params, pspecs):
 __all__ = [
     "AXES",
     "BATCH_AXES",
+    "EXPERT_AXES_CHOICES",
     "FSDP_LIKE",
     "LOGICAL_RULES",
     "declared_axes_flat",
+    "expert_axes_of",
     "logical_axes",
     "matched_specs",
     "param_specs",

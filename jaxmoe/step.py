@@ -41,6 +41,15 @@ def init_state(cfg: Config, tx, params=None, buffers=None) -> dict:
     }
 
 
+def opt_init_fn(cfg: Config, tx, shardings=None):
+    """``(params, buffers) -> state without params/buffers`` (optimizer state, step, rng, ...) as
+    one jitted program; with ``shardings`` (a train state's, e.g. ``MeshContext.state_shardings``)
+    its outputs are created sharded, so each device materialises only its own shards."""
+    out = None if shardings is None else {k: v for k, v in shardings.items() if k not in ("params", "buffers")}
+    return jax.jit(lambda p, b: {k: v for k, v in init_state(cfg, tx, p, b).items()
+                                 if k not in ("params", "buffers")}, out_shardings=out)
+
+
 def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
     """Build the jit-compiled train step ``step(state, batch) -> (state, metrics)``.
 
@@ -128,4 +137,4 @@ def device_peak_flops(dtype: str) -> tuple[float, str]:
     return 2 * n**3 / dt, f"measured-matmul:{kind or dev.platform}"
 
 
-__all__ = ["device_peak_flops", "init_state", "make_eval_step", "make_train_step"]
+__all__ = ["device_peak_flops", "init_state", "opt_init_fn", "make_eval_step", "make_train_step"]

@@ -7,6 +7,7 @@ stacks of ``jaxmoe.model.experts.expert_ffn`` on one device.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -81,10 +82,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mesh_spec,kind,chunks", CASES)
-def test_dispatch_matches_single_device(reference, mesh_spec, kind, chunks):
+# experts over fsdp x expert (mesh.expert_axes = "fsdp,expert"): whole experts on every device,
+# the collectives over the product of both axes
+FACTORED = [
+    ("fsdp=2,expert=4", "all_to_all", 1, "fsdp,expert"),
+    pytest.param("replica=2,fsdp=2,expert=2", "all_to_all", 2, "fsdp,expert", marks=slow),
+    pytest.param("fsdp=2,expert=4", "allgather", 1, "fsdp,expert", marks=slow),
+    ("fsdp=2,expert=2,tensor=2", "ragged_all_to_all_emulated", 1, "fsdp,expert"),
+]
+
+
+@pytest.mark.parametrize("mesh_spec,kind,chunks,expert_axes", [c + ("expert",) for c in CASES if type(c) is tuple]
+                         + [pytest.param(*c.values, "expert", marks=c.marks) for c in CASES if type(c) is not tuple]
+                         + FACTORED)
+def test_dispatch_matches_single_device(reference, mesh_spec, kind, chunks, expert_axes):
     (x, idx, w, weights), (loss0, y0, st0, g0) = reference
-    cfg = _cfg(dispatch_chunks=chunks)
+    cfg = _cfg(dispatch_chunks=chunks, expert_axes=expert_axes)
     mesh = make_mesh(resolve_mesh_shape(parse_mesh(mesh_spec), 8))
     fn = make_dispatch(cfg, mesh, kind)
     (loss, (y, st)), g = _loss_fn(fn, cfg.moe)(x, w, weights, idx)
@@ -127,14 +140,75 @@ def test_all_to_all_capacity_drops_per_source(mesh_spec, chunks):
     _close(g[0], g0[0], what="d x")
 
 
-def test_ragged_all_to_all_lowers_on_cpu():
-    """XLA:CPU cannot compile ragged_all_to_all, but the real code path must trace and lower."""
+def _drop_reference(idx, n_blocks, cap):
+    """numpy: the LAYOUT.md drop rule applied per token block (device x chunk): an expert's slots
+    are filled in (choice rank, token index) order, pairs past ``cap`` drop. -> dropped count."""
+    dropped = 0
+    for blk in np.split(np.asarray(idx), n_blocks):
+        fill = {}
+        for r in range(blk.shape[1]):
+            for t in range(blk.shape[0]):
+                e = int(blk[t, r])
+                fill[e] = fill.get(e, 0) + 1
+                dropped += fill[e] > cap
+    return dropped
+
+
+def _recv_rows(fn, moe_cfg, *args):
+    """Rows of the first all_to_all's operand/result inside the shard_map (the receive buffer)."""
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, moe_cfg))(*args)
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "all_to_all":
+                yield eqn.outvars[0].aval.shape
+            for v in eqn.params.values():
+                if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                    yield from walk(v.jaxpr)
+                elif hasattr(v, "eqns"):
+                    yield from walk(v)
+
+    return [s for s in walk(jaxpr.jaxpr) if len(s) == 2 and s[1] == D]
+
+
+@pytest.mark.parametrize("expert_axes,cf", [("fsdp,expert", 1.25), ("fsdp,expert", 0.0)])
+def test_capacity_bounds_the_receive_buffer(expert_axes, cf):
+    """mesh.a2a_capacity_factor = cf > 0 on fsdp=2,expert=4 with experts over both axes: the
+    receive buffer holds E * ceil(cf*T_l*k/E) rows (= cf*T_l*k here; in general at most E-1 more),
+    the dropped count equals a numpy reference of the drop rule, and the kept assignments give the
+    single-device dense path's result; cf = 0 is dropless (receive buffer E*T_l, the worst case)."""
+    x, idx, w, weights = _inputs(seed=1, skew=True)
+    cfg = _cfg(a2a_capacity_factor=cf, expert_axes=expert_axes)
+    mesh = make_mesh(resolve_mesh_shape(parse_mesh("fsdp=2,expert=4"), 8))
+    fn = make_dispatch(cfg, mesh, "all_to_all")
+    t_l = T // 8
+    rows = _recv_rows(fn, cfg.moe, x, idx, w, weights)
+    cap = math.ceil(cf * t_l * K / E) if cf else t_l
+    assert rows and all(r[0] == E * cap for r in rows), rows
+    if cf:
+        assert E * cap <= cf * t_l * K + E - 1 and E * cap == int(cf * t_l * K)
+    (loss, (y, st)), g = _loss_fn(fn, cfg.moe)(x, w, weights, idx)
+    want = _drop_reference(idx, 8, cap)
+    assert int(st["dropped"]) == want
+    if cf:
+        assert want > 0, "the test must actually drop"
+    dense = dataclasses.replace(cfg.moe, capacity_factor=cf, compute_path="dense")
+    outs = [expert_ffn(xb, ib, wb, weights, dense)
+            for xb, ib, wb in zip(jnp.split(x, 8), jnp.split(idx, 8), jnp.split(w, 8))]
+    _close(y, jnp.concatenate([o[0] for o in outs]), what="output")
+
+
+@pytest.mark.parametrize("mesh_spec,expert_axes", [("expert=8", "expert"), ("fsdp=2,expert=4", "fsdp,expert")])
+def test_ragged_all_to_all_lowers_on_cpu(mesh_spec, expert_axes):
+    """XLA:CPU cannot compile ragged_all_to_all, but the real code path must trace and lower
+    (over one axis, or over the fsdp x expert product: one group of all 8 devices)."""
     x, idx, w, weights = _inputs()
-    cfg = _cfg()
-    mesh = make_mesh(resolve_mesh_shape(parse_mesh("expert=8"), 8))
+    cfg = _cfg(expert_axes=expert_axes)
+    mesh = make_mesh(resolve_mesh_shape(parse_mesh(mesh_spec), 8))
     fn = make_dispatch(cfg, mesh, "ragged_all_to_all")
-    lowered = _loss_fn(fn, cfg.moe).lower(x, w, weights, idx)
-    assert "ragged_all_to_all" in lowered.as_text()
+    text = _loss_fn(fn, cfg.moe).lower(x, w, weights, idx).as_text()
+    lines = [ln for ln in text.splitlines() if "@ragged_all_to_all" in ln]
+    assert lines and all("[[0, 1, 2, 3, 4, 5, 6, 7]]" in ln for ln in lines)
 
 
 def test_resolve_dispatcher():

@@ -240,13 +240,22 @@ GRAD_CASES = [
     pytest.param("tiny", "replica=2,fsdp=2,expert=2", "allgather", 1, marks=slow),
     pytest.param("tiny", "expert=8", "allgather", 2, marks=slow),
     pytest.param("tiny-mla", "expert=4,fsdp=2", "all_to_all", 2, marks=slow),
+    # experts whole over fsdp x expert (mesh.expert_axes), dense weights FSDP over both
+    ("tiny", "fsdp=2,expert=4/fsdp,expert", "all_to_all", 1),
 ]
+
+
+def _mesh_and_axes(mesh_spec):
+    """``"fsdp=2,expert=4/fsdp,expert"`` -> (mesh spec, mesh.expert_axes)."""
+    spec, _, ea = mesh_spec.partition("/")
+    return spec, ea or "expert"
 
 
 @pytest.mark.parametrize("preset,mesh_spec,kind,chunks", GRAD_CASES)
 def test_loss_and_every_gradient_match_single_device(preset, mesh_spec, kind, chunks):
     ref = _reference(preset)
-    cfg = _cfg(preset, dispatcher=kind, dispatch_chunks=chunks)
+    mesh_spec, ea = _mesh_and_axes(mesh_spec)
+    cfg = _cfg(preset, dispatcher=kind, dispatch_chunks=chunks, expert_axes=ea)
     cfg, ctx = build_context(cfg, parse_mesh(mesh_spec))
     assert ctx.dispatcher == kind
     params = ctx.place_params(ref["params"])
@@ -254,8 +263,10 @@ def test_loss_and_every_gradient_match_single_device(preset, mesh_spec, kind, ch
     batch = ctx.place_batch(_batch(cfg))
     assert params["moe"]["experts"]["gate_proj"].sharding.spec == spec_for(
         "moe/experts/gate_proj", params["moe"]["experts"]["gate_proj"].shape,
-        logical_axes(cfg, "moe/experts/gate_proj"), ctx.sizes
+        logical_axes(cfg, "moe/experts/gate_proj"), ctx.sizes, expert_axes=ctx.expert_axes
     )
+    if ea == "fsdp,expert":  # whole experts: E over both axes, nothing gathered at dispatch
+        assert params["moe"]["experts"]["gate_proj"].sharding.spec == P(None, ("fsdp", "expert"), None, None)
     (loss, (ce, counts)), grads = _grad_fn(cfg, ctx.dispatch)(params, buffers, batch)
     _close_tree(loss, ref["loss"])
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref["counts"]))
@@ -265,13 +276,15 @@ def test_loss_and_every_gradient_match_single_device(preset, mesh_spec, kind, ch
 TRAIN_CASES = [
     pytest.param("tiny", "expert=4,fsdp=2", "allgather", 1, marks=slow),
     ("tiny-mla", "replica=2,fsdp=2,expert=2", "all_to_all", 2),
+    ("tiny", "fsdp=2,expert=4/fsdp,expert", "all_to_all", 1),
 ]
 
 
 @pytest.mark.parametrize("preset,mesh_spec,kind,chunks", TRAIN_CASES)
 def test_five_training_steps_match_single_device(preset, mesh_spec, kind, chunks):
     ref_losses, ref_state = _reference_train(preset)
-    cfg = _cfg(preset, dispatcher=kind, dispatch_chunks=chunks)
+    mesh_spec, ea = _mesh_and_axes(mesh_spec)
+    cfg = _cfg(preset, dispatcher=kind, dispatch_chunks=chunks, expert_axes=ea)
     cfg, ctx = build_context(cfg, parse_mesh(mesh_spec))
     losses, state = _train_steps(cfg, ctx)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
