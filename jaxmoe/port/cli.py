@@ -12,6 +12,7 @@ import json
 import numpy as np
 
 from jaxmoe.errors import UserError
+from jaxmoe.extras import require
 from jaxmoe.port.convert import convert
 from jaxmoe.port.logits import compute_logits, verify
 from jaxmoe.port.safetensors_io import FLOAT_DTYPES
@@ -36,6 +37,8 @@ def add_args_convert(p) -> None:
 def run_convert(args) -> int:
     src = parse_endpoint(args.src, "--from")
     dst = parse_endpoint(args.dst, "--to")
+    if args.verify:  # before anything is written: --verify runs torch (the [ref] extra)
+        require("torch", "jaxmoe convert --verify")
     stats = convert(src, dst, dtype=args.dtype, shard_size=args.shard_size, force=args.force)
     rc = 0
     if args.verify:
@@ -70,6 +73,8 @@ def add_args_logits(p) -> None:
 
 def run_logits(args) -> int:
     ep = parse_endpoint(args.ckpt, "--ckpt")
+    if args.framework != "jax":  # torch_ref / transformers: the [ref] extra
+        require("torch", f"jaxmoe logits --framework {args.framework}")
     try:
         tokens = np.load(args.tokens, allow_pickle=False)
     except (OSError, ValueError) as e:
