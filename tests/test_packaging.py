@@ -10,6 +10,7 @@ checks and in one subprocess for a real train + convert round trip.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -43,9 +44,13 @@ def test_core_dependencies_have_no_torch():
 
 
 def test_wheel_holds_every_subpackage_and_preset(tmp_path):
-    # ~12 s on 2 busy cores (pip wheel copies the tree)
+    # ~12 s on 2 busy cores. Built from a copy of the tree: setuptools builds in place (build/,
+    # *.egg-info), and a stale build/lib would carry deleted modules into later wheels.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", "runs", "out", ".pytest_cache"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                        "--quiet", str(ROOT), "-w", str(tmp_path)],
+                        "--quiet", str(src), "-w", str(tmp_path)],
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     (whl,) = tmp_path.glob("jaxmoe-*.whl")
