@@ -129,3 +129,33 @@ def test_orbax_missing_step_is_one_line(hf_dir, tmp_path, capsys):
                str(tmp_path / "r")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "no checkpoint at step 7" in err and len(err.splitlines()) == 1, err
+
+
+def test_run_that_never_saved_restarts_from_its_recorded_source(hf_dir, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    run = tmp_path / "run"
+    args = ["train", "--init-from", f"hf:{src}", "--steps", "8", "--out", str(run), "--quiet",
+            *NO_AUX]
+    assert main([*args, "--stop-after", "0"]) == 0  # recorded, never saved
+    rec = json.loads((run / "run.json").read_text())["init_from"]
+    assert rec["source"] == f"hf:{src.absolute()}"
+    assert (run / "hf_meta" / "tokenizer.json").is_file()
+    assert main(["train", "--resume", "--out", str(run), "--stop-after", "1", "--quiet"]) == 0
+    cfg = load_config(path=run / "config.toml")
+    batch = make_data(cfg, "train").next_batch()
+    block = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+    ref = _hf_loss(src, block)
+    assert abs(_metrics(run)[0]["loss"] - ref) <= 1e-5 * abs(ref)
+
+    # a source that changed since is refused (one line), not silently mixed in
+    run2 = tmp_path / "run2"
+    assert main(["train", "--init-from", f"hf:{src}", "--steps", "8", "--out", str(run2),
+                 "--stop-after", "0", "--quiet", *NO_AUX]) == 0
+    (src / "config.json").write_text((src / "config.json").read_text() + " ")
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(run2), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "changed" in err, err

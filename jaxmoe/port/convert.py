@@ -112,11 +112,11 @@ class OrbaxSink:
     :meth:`buffer` hands out that file for the source to fill (its pages are dropped as it
     fills, see :meth:`TensorSource.read_leaf`); at :meth:`close` the files are re-opened
     read-only and saved with :func:`jaxmoe.checkpoint.save_model` ``(stream=True)``, which
-    writes them one 64 MiB chunk at a time without copying. Measured by ``bench/convert.py
+    writes them one Zarr chunk (:data:`~jaxmoe.checkpoint.STREAM_CHUNK_BYTES`) at a time without copying. Measured by ``bench/convert.py
     --gb 2`` (largest leaf 537 MB): peak RSS 618 MB, where holding every leaf for one save
     peaked at 5.8 GB. Disk: the scratch files are a second copy of the model. The checkpoint is
     the one ``save_model`` writes for in-memory leaves, up to the Zarr chunk shapes of leaves over
-    64 MiB, which :func:`jaxmoe.checkpoint.load_model` and ``Checkpointer.restore`` read as usual.
+    that size, which :func:`jaxmoe.checkpoint.load_model` and ``Checkpointer.restore`` read as usual.
     """
 
     def __init__(self, target: Path, cfg: Config, scratch: Path | None = None):
