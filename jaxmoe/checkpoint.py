@@ -137,11 +137,10 @@ def release_pages(arr) -> None:
 
 # Streaming saves cut numpy leaves into contiguous Zarr chunks of at most this many bytes
 # (Orbax's own default is one chunk per leaf up to 2 GiB) and write them one chunk at a time.
-# The chunk is also the unit a partial read decodes (jaxmoe.port.orbax_read): a write or a read
-# holds about two chunks (the data + TensorStore's encoded / decoded copy). 16 MiB: with 64 MiB
-# an orbax -> hf conversion of a 134 MB expert leaf peaked 155 MB above one of a 17 MB leaf
-# (tests/test_convert_memory.py); with 16 MiB the chunk no longer depends on the leaf.
-STREAM_CHUNK_BYTES = 16 * 2**20
+# A chunk is also what a partial read decodes (jaxmoe.port.orbax_read), and TensorStore keeps some
+# written chunks resident until a save commits: 4 MiB keeps both small next to any leaf (64 MiB
+# chunks: hf -> orbax peak 585 vs 298 MB for 134 vs 17 MB leaves; tests/test_convert_memory.py).
+STREAM_CHUNK_BYTES = 4 * 2**20
 
 
 def _chunk_boxes(shape, chunk):

@@ -14,7 +14,12 @@ How a conversion runs (:func:`convert`):
    Peak memory is about the largest leaf plus one HF tensor, not the model. For an ``orbax:``
    destination the leaves are assembled in files next to DST and streamed into Orbax (see
    :class:`OrbaxSink`), so peak memory does not grow with the model either.
-3. Rename the temporary into place (replacing DST only with ``--force``); on any failure the
+   From an ``orbax:`` source to ``hf:`` / ``torch:``, leaves are not restored whole: the sink
+   reads one layer's / expert's slice at a time (:meth:`OrbaxSource.leaf_view`, one Zarr chunk
+   in memory). An ``orbax:`` destination says how much disk it needs and checks it first.
+3. Carry the non-weight files (tokenizer*, generation_config.json, token ids; see
+   :func:`carry_metadata`): an HF dir's go into ``RUN_DIR/hf_meta/`` and come back out of it.
+4. Rename the temporary into place (replacing DST only with ``--force``); on any failure the
    temporary is removed, so DST is either the complete result or untouched.
 
 Running checkpoints (``jaxmoe logits``, ``--verify``) is :mod:`jaxmoe.port.logits`; the commands

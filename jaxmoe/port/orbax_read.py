@@ -5,7 +5,7 @@ is hundreds of GB. The arrays Orbax writes are Zarr arrays in an OCDBT key-value
 leaf, named by the pytree path joined with ``.``), which TensorStore opens directly and reads
 any box of, decoding only the chunks that box touches. :class:`LeafSlices` reads one chunk-row
 of the leading (layer, expert) axes at a time, so memory holds at most one Zarr chunk of the leaf
-(``jaxmoe convert --to orbax:`` writes chunks of at most 16 MiB, see
+(``jaxmoe convert --to orbax:`` writes chunks of at most 4 MiB, see
 :data:`jaxmoe.checkpoint.STREAM_CHUNK_BYTES`; a training checkpoint's chunk is one device's shard
 of the leaf) instead of the whole leaf.
 
