@@ -41,7 +41,9 @@ import json, sys, time
 argv = json.loads(sys.argv[1])
 t0 = time.perf_counter()
 rc = 0
-if argv:
+if argv == ["--imports"]:  # the baseline: what a conversion imports, nothing run
+    import jaxmoe.checkpoint, jaxmoe.cli, jaxmoe.port.convert  # noqa: E401,F401
+elif argv:
     from jaxmoe.cli import main
     rc = main(argv)
 secs = time.perf_counter() - t0
@@ -138,8 +140,9 @@ def main() -> None:
               f"{max(int(np.prod(e.hf_shape)) for e in hf_map.entries(cfg)) * 4 / 1e6:.1f} MB; "
               f"largest per-layer tensor: {layer_key}[i] {list(shapes[layer_key][1:])} = "
               f"{per_layer / 1e6:.0f} MB")
-        base = run_child([])
-        print(f"baseline child RSS (python + imports): {base['peak_rss'] / 1e6:.0f} MB")
+        base = run_child(["--imports"])
+        print(f"baseline child RSS (python + jaxmoe, jax, Orbax imports): "
+              f"{base['peak_rss'] / 1e6:.0f} MB (--verify also imports torch + transformers)")
         steps = [("hf -> torch", ["--from", f"hf:{work}/hf", "--to", f"torch:{work}/m.safetensors"]),
                  ("torch -> hf (1GB shards)", ["--from", f"torch:{work}/m.safetensors", "--to",
                                                f"hf:{work}/hf2", "--shard-size", "1GB"])]

@@ -4,7 +4,7 @@ Each conversion runs in a fresh interpreter that reports its own peak RSS (``VmH
 ``getrusage(RUSAGE_CHILDREN)``, which also counts this test process's peak after exec). Same
 per-expert size, 8 vs 64 experts: an expert leaf ``[L, E, D, I]`` is 17 MB vs 134 MB, the model
 50 MB vs 400 MB. ``orbax -> hf`` reads one Zarr chunk (<= 4 MiB) of a leaf at a time, so its
-peak stays within 1.3x (measured here: 1.49x reading whole leaves, 1.21x with 16 MiB chunks).
+peak stays within 1.3x (measured here: 1.49x with 64 MiB chunks, 1.21x with 16 MiB).
 """
 
 from __future__ import annotations
