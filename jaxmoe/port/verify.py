@@ -105,9 +105,18 @@ def hf_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
     transformers = require("transformers", "jaxmoe convert --verify")
     cfg = _cfg_of(ep)
     check_tokens(tokens, cfg)
+    quiet = getattr(getattr(transformers.utils, "logging", None), "disable_progress_bar", None)
+    if quiet is not None:  # no "Loading weights" bar in the middle of convert's output
+        quiet()
     cls = getattr(transformers, get_arch(cfg.model.hf_arch).hf_class)
     kw = {} if n_layers is None else {"num_hidden_layers": min(n_layers, cfg.model.n_layers)}
-    model = cls.from_pretrained(str(ep.path), dtype=torch.float32, **kw).eval()
+    tlog = transformers.utils.logging
+    level = tlog.get_verbosity()
+    tlog.set_verbosity_error()  # a truncated load lists every skipped layer's tensor as unexpected
+    try:
+        model = cls.from_pretrained(str(ep.path), dtype=torch.float32, **kw).eval()
+    finally:
+        tlog.set_verbosity(level)
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(np.asarray(tokens, np.int64)),
                     output_hidden_states=True)
