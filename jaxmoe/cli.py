@@ -15,6 +15,7 @@ import threading
 
 from jaxmoe.config import ConfigError, count_params, human, list_presets, load_config
 from jaxmoe.errors import UserError
+from jaxmoe.extras import EXTRA_OF, hint
 
 # command -> (module, help)
 COMMANDS = {
@@ -74,12 +75,21 @@ def _load(module):
     except ModuleNotFoundError as e:
         if e.name and module.startswith(e.name):
             return None
+        if e.name and e.name.split(".")[0] in EXTRA_OF:  # e.g. parity without torch: [ref]
+            return e.name
         raise
 
 
 def _missing(name, module):
     def run(args):
         raise UserError(f"'jaxmoe {name}' is not available: module {module} is missing")
+
+    return run
+
+
+def _needs(name, dep):
+    def run(args):
+        raise UserError(hint(dep, f"'jaxmoe {name}'"))
 
     return run
 
@@ -99,8 +109,9 @@ def main(argv=None) -> int:
             p.set_defaults(_run=_count_run)
             continue
         mod = _load(module)
-        if mod is None:
-            p.set_defaults(_run=_missing(name, module))
+        if mod is None or isinstance(mod, str):
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(_run=_missing(name, module) if mod is None else _needs(name, mod))
             continue
         getattr(mod, "add_args_" + name, getattr(mod, "add_args", None))(p)
         p.set_defaults(_run=getattr(mod, "run_" + name, getattr(mod, "run", None)))
@@ -109,6 +120,12 @@ def main(argv=None) -> int:
         return int(args._run(args) or 0)
     except (ConfigError, UserError) as e:
         print(f"jaxmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional extra imported late (torch for parity, ...)
+        if not (e.name and e.name.split(".")[0] in EXTRA_OF):
+            raise
+        print(f"jaxmoe {args.command}: error: {hint(e.name, f'jaxmoe {args.command}')}",
+              file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `jaxmoe count ... | head`
         sys.stderr.close()

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmoe.errors import UserError
+from jaxmoe.extras import require
 
 EOT = "<|endoftext|>"
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -131,7 +132,8 @@ def _load_tokenizer(path_str: str):
     path = Path(path_str)
     if not path.is_file():
         raise UserError(f"tokenizer file {path} does not exist (train.tokenizer)")
-    from tokenizers import Tokenizer
+    # late: tokenizers is the optional [text] extra
+    Tokenizer = require("tokenizers", "--data text:").Tokenizer
 
     try:
         return Tokenizer.from_file(str(path))
@@ -324,7 +326,9 @@ def add_args_tokenizer(p: argparse.ArgumentParser) -> None:
 
 def train_tokenizer(inputs, vocab_size: int):
     """A byte-level BPE ``tokenizers.Tokenizer`` with special token ``<|endoftext|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tk = require("tokenizers", "jaxmoe tokenizer")  # late: the optional [text] extra
+    Tokenizer, decoders, models = tk.Tokenizer, tk.decoders, tk.models
+    pre_tokenizers, trainers = tk.pre_tokenizers, tk.trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:

@@ -19,6 +19,8 @@ changed in between is refused rather than silently mixed in.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -27,32 +29,82 @@ from jaxmoe.config import Config, _apply, parse_override, validate
 from jaxmoe.errors import ConfigError, UserError
 from jaxmoe.model.transformer import abstract_params, model_declarations
 from jaxmoe.port import sources
-from jaxmoe.port.convert import open_source, parse_endpoint
+from jaxmoe.port.convert import carry_metadata, open_source, parse_endpoint
 from jaxmoe.port.hf_map import flatten, unflatten
 
 MODEL_SECTIONS = ("model", "moe")
 
 
-def _fingerprint(src) -> str:
-    """A content fingerprint of the source (cheap at any size)."""
-    fn = getattr(sources, "source_fingerprint", None)
-    if fn is not None:
-        return fn(src.ep)
-    import hashlib
+# Sources up to this size are hashed in full; larger ones (a 671B checkpoint is 1.3 TB) by every
+# file's name, size, safetensors header and 1 MiB at its start, middle and end.
+FULL_HASH_BYTES = 4 * 2**30
+_SAMPLE = 2**20
 
+
+def _source_files(src) -> list[Path]:
+    """The files that hold the source's weights and config (for the fingerprint)."""
+    p = Path(src.ep.path)
+    if p.is_file():
+        return [p]
+    if src.ep.kind == "orbax":
+        step_dir = p / "checkpoints" / str(src.step) / "state"
+        files = [p / "config.toml"] + sorted(f for f in step_dir.rglob("*") if f.is_file())
+    else:
+        files = sorted(f for f in p.iterdir() if f.is_file()
+                       and (f.suffix in (".safetensors", ".json")))
+    return [f for f in files if f.is_file()]
+
+
+def _fingerprint(src) -> str:
+    """A content hash of the source: ``sha256:<hex>`` of every file's bytes (sources up to
+    :data:`FULL_HASH_BYTES`), else ``sha256-sampled:<hex>`` over each file's name, size,
+    safetensors header and three 1 MiB samples (cheap at any size; any re-save changes the
+    headers or sizes, an in-place edit of a large file's middle may go unnoticed)."""
+    files = _source_files(src)
+    root = Path(src.ep.path)
+    total = sum(f.stat().st_size for f in files)
+    full = total <= FULL_HASH_BYTES
     h = hashlib.sha256()
-    for key in sorted(src.keys()):
-        h.update(f"{key}:{src.shapes[key]}:{src.leaf_dtype(key)};".encode())
-    for f in sorted(p for p in ([src.ep.path] if src.ep.path.is_file() else src.ep.path.rglob("*"))
-                    if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)};".encode())
-    return "sha256:" + h.hexdigest()
+    for f in files:
+        rel = f.name if root.is_file() else str(f.relative_to(root))
+        size = f.stat().st_size
+        h.update(f"{rel}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            if full:
+                for block in iter(lambda: fh.read(16 * 2**20), b""):
+                    h.update(block)
+                continue
+            if f.suffix == ".safetensors" and size >= 8:
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(fh.read(min(n, size - 8)))
+            for off in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
+                fh.seek(off)
+                h.update(fh.read(_SAMPLE))
+    return ("sha256:" if full else "sha256-sampled:") + h.hexdigest()
 
 
 def open_init_source(spec: str):
-    """The opened source of ``--init-from SPEC`` (validated: config and tensor headers agree)."""
-    return open_source(parse_endpoint(spec, "--init-from"))
+    """The opened source of ``--init-from SPEC`` (validated: config and tensor headers agree).
+    ``orbax:DIR@STEP`` opens that checkpoint step (default: the newest)."""
+    kind, _, rest = str(spec).partition(":")
+    step = None
+    if kind == "orbax" and "@" in rest:
+        rest, _, tail = rest.rpartition("@")
+        if not tail.isdigit():
+            raise UserError(f"--init-from {spec!r}: expected orbax:DIR@STEP with an integer STEP")
+        step = int(tail)
+    ep = parse_endpoint(f"{kind}:{rest}" if kind else spec, "--init-from")
+    src = sources.OrbaxSource(ep, step=step) if ep.kind == "orbax" else open_source(ep)
+    # what the run record keeps: absolute, and with the step actually read
+    src.spec = f"{ep.kind}:{ep.path.absolute()}" + (f"@{src.step}" if ep.kind == "orbax" else "")
+    return src
+
+
+def record_source_files(src, run_dir) -> list[str]:
+    """Copy the source's non-weight HF files (tokenizer, generation config, the original
+    config.json with its token ids) into ``RUN_DIR/hf_meta/``, so that converting the run back
+    to ``hf:`` restores them (see :func:`jaxmoe.port.convert.carry_metadata`)."""
+    return carry_metadata(src.ep, Path(run_dir), "orbax")
 
 
 def config_from_source(base: Config, src, overrides) -> Config:
@@ -124,4 +176,4 @@ def _place(arr: np.ndarray, sharding):
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
-__all__ = ["config_from_source", "load_weights", "open_init_source"]
+__all__ = ["config_from_source", "load_weights", "open_init_source", "record_source_files"]

@@ -158,13 +158,16 @@ class Trainer:
         fields: dict = {"jaxmoe": "0.1.0", "steps": cfg.train.steps, "status": "running",
                         "start_step": start}
         if self.init_from is not None:
-            from jaxmoe.init_from import _fingerprint
+            from jaxmoe.init_from import _fingerprint, record_source_files
 
-            fields["init_from"] = {"source": str(self.init_from.ep), "fingerprint": _fingerprint(self.init_from)}
+            fields["init_from"] = {"source": getattr(self.init_from, "spec", str(self.init_from.ep)),
+                                   "fingerprint": _fingerprint(self.init_from)}
         if rd.primary:
             rd.path.mkdir(parents=True, exist_ok=True)
             (rd.path / "config.toml").write_text(config_to_toml(cfg))
             rd.write_record(**fields)
+            if self.init_from is not None:  # tokenizer, generation config, token ids: kept for hf:
+                record_source_files(self.init_from, rd.path)
 
     def _compile(self, step_fn, state, batch):
         """Compile the step ahead of the first call, with a "compiling" line and its time."""

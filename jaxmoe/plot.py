@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from jaxmoe.errors import UserError
+from jaxmoe.extras import require
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -32,8 +33,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot_run(run_dir: Path) -> list[Path]:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "jaxmoe plot")  # late: the optional [plot] extra
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np

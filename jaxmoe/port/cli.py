@@ -2,7 +2,7 @@
 
 Checkpoint flags (``--from`` / ``--to`` / ``--ckpt``) take the endpoints of
 :mod:`jaxmoe.port.sources`; the work is done by :func:`jaxmoe.port.convert.convert`,
-:func:`jaxmoe.port.logits.verify` and :func:`jaxmoe.port.logits.compute_logits`.
+:func:`jaxmoe.port.verify.verify` and :func:`jaxmoe.port.logits.compute_logits`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import json
 import numpy as np
 
 from jaxmoe.errors import UserError
+from jaxmoe.extras import require
 from jaxmoe.port.convert import convert
-from jaxmoe.port.logits import compute_logits, verify
+from jaxmoe.port.logits import compute_logits
 from jaxmoe.port.safetensors_io import FLOAT_DTYPES
 from jaxmoe.port.sources import _shape, parse_endpoint
+from jaxmoe.port.verify import verify
 
 
 def add_args_convert(p) -> None:
@@ -29,6 +31,9 @@ def add_args_convert(p) -> None:
     p.add_argument("--verify", action="store_true",
                    help="compare source and destination logits on a probe batch; non-zero exit "
                         "past tolerance")
+    p.add_argument("--verify-layers", type=int, metavar="N",
+                   help="with --verify: compare the first N layers' activations and the logits of "
+                        "the model truncated to N layers (reads only those layers: bounded memory)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
 
@@ -36,13 +41,19 @@ def add_args_convert(p) -> None:
 def run_convert(args) -> int:
     src = parse_endpoint(args.src, "--from")
     dst = parse_endpoint(args.dst, "--to")
+    if args.verify_layers is not None and not args.verify:
+        raise UserError("--verify-layers N needs --verify")
+    if args.verify_layers is not None and args.verify_layers < 1:
+        raise UserError(f"--verify-layers {args.verify_layers}: give a number of layers >= 1")
+    if args.verify:  # before anything is written: --verify runs torch (the [ref] extra)
+        require("torch", "jaxmoe convert --verify")
     stats = convert(src, dst, dtype=args.dtype, shard_size=args.shard_size, force=args.force)
     rc = 0
     if args.verify:
         # bf16 tolerances apply when either side holds bf16 weights
         dts = set(stats["dtype"]) | set(stats["src_dtype"])
         key = "bfloat16" if "bfloat16" in dts else "float32"
-        stats["verify"] = verify(src, dst, key)
+        stats["verify"] = verify(src, dst, key, layers=args.verify_layers)
         rc = 0 if stats["verify"]["ok"] else 1
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -52,7 +63,8 @@ def run_convert(args) -> int:
               f"({stats['mb_per_s']:.0f} MB/s)")
         if "verify" in stats:
             v = stats["verify"]
-            print(f"verify ({v['src_framework']} vs {v['dst_framework']}, {v['tokens'][0]}x"
+            what = "" if v["layers"] is None else f", first {v['layers']} layers"
+            print(f"verify ({v['src_framework']} vs {v['dst_framework']}{what}, {v['tokens'][0]}x"
                   f"{v['tokens'][1]} tokens): max|dlogit| {v['max_abs']:.3g}, KL {v['kl']:.3g}, "
                   f"top-1 agreement {v['top1']:.3f} -> {'OK' if v['ok'] else 'FAILED'} "
                   f"(tolerance KL <= {v['tolerance']['kl']:g}, max abs <= "
@@ -71,6 +83,8 @@ def add_args_logits(p) -> None:
 
 def run_logits(args) -> int:
     ep = parse_endpoint(args.ckpt, "--ckpt")
+    if args.framework != "jax":  # torch_ref / transformers: the [ref] extra
+        require("torch", f"jaxmoe logits --framework {args.framework}")
     try:
         tokens = np.load(args.tokens, allow_pickle=False)
     except (OSError, ValueError) as e:

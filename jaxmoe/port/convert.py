@@ -14,7 +14,12 @@ How a conversion runs (:func:`convert`):
    Peak memory is about the largest leaf plus one HF tensor, not the model. For an ``orbax:``
    destination the leaves are assembled in files next to DST and streamed into Orbax (see
    :class:`OrbaxSink`), so peak memory does not grow with the model either.
-3. Rename the temporary into place (replacing DST only with ``--force``); on any failure the
+   From an ``orbax:`` source to ``hf:`` / ``torch:``, leaves are not restored whole: the sink
+   reads one layer's / expert's slice at a time (:meth:`OrbaxSource.leaf_view`, one Zarr chunk
+   in memory). An ``orbax:`` destination says how much disk it needs and checks it first.
+3. Carry the non-weight files (tokenizer*, generation_config.json, token ids; see
+   :func:`carry_metadata`): an HF dir's go into ``RUN_DIR/hf_meta/`` and come back out of it.
+4. Rename the temporary into place (replacing DST only with ``--force``); on any failure the
    temporary is removed, so DST is either the complete result or untouched.
 
 Running checkpoints (``jaxmoe logits``, ``--verify``) is :mod:`jaxmoe.port.logits`; the commands
@@ -113,11 +118,11 @@ class OrbaxSink:
     :meth:`buffer` hands out that file for the source to fill (its pages are dropped as it
     fills, see :meth:`TensorSource.read_leaf`); at :meth:`close` the files are re-opened
     read-only and saved with :func:`jaxmoe.checkpoint.save_model` ``(stream=True)``, which
-    writes them one 64 MiB chunk at a time without copying. Measured by ``bench/convert.py
+    writes them one Zarr chunk (:data:`~jaxmoe.checkpoint.STREAM_CHUNK_BYTES`) at a time without copying. Measured by ``bench/convert.py
     --gb 2`` (largest leaf 537 MB): peak RSS 618 MB, where holding every leaf for one save
     peaked at 5.8 GB. Disk: the scratch files are a second copy of the model. The checkpoint is
     the one ``save_model`` writes for in-memory leaves, up to the Zarr chunk shapes of leaves over
-    64 MiB, which :func:`jaxmoe.checkpoint.load_model` and ``Checkpointer.restore`` read as usual.
+    that size, which :func:`jaxmoe.checkpoint.load_model` and ``Checkpointer.restore`` read as usual.
     """
 
     def __init__(self, target: Path, cfg: Config, scratch: Path | None = None):
@@ -223,6 +228,106 @@ def _out_dtypes(source, dst_kind: str, dtype) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# Non-weight files: tokenizer, generation config, token ids (carried hf -> orbax -> hf)
+# --------------------------------------------------------------------------------------------
+
+# A run dir keeps the non-weight files of the HF checkpoint it came from here (config.json as it
+# was, tokenizer*.json, generation_config.json, ...), so that converting back restores them.
+HF_META_DIR = "hf_meta"
+# config.json keys that are not architecture but must survive a round trip
+CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+                       "decoder_start_token_id")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_META_MAX_BYTES = 256 * 2**20  # a "non-weight" file larger than this is not copied (with a note)
+
+
+def meta_dir(ep: Endpoint) -> Path | None:
+    """Where ``ep``'s non-weight HF files live: the HF dir itself, a run dir's ``hf_meta/``."""
+    if ep.kind == "hf":
+        return ep.path
+    if ep.kind == "orbax" and (ep.path / HF_META_DIR).is_dir():
+        return ep.path / HF_META_DIR
+    return None
+
+
+def meta_files(directory: Path | None, log=None) -> list[Path]:
+    """The non-weight regular files at the top of ``directory`` (config.json included)."""
+    if directory is None or not directory.is_dir():
+        return []
+    out = []
+    for f in sorted(directory.iterdir()):
+        if not f.is_file() or f.name.startswith(".") or f.name in _WEIGHT_NAMES:
+            continue
+        if f.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        if f.stat().st_size > _META_MAX_BYTES:
+            if log is not None:
+                log(f"note: not carrying {f} ({f.stat().st_size / 1e6:.0f} MB; not a weight file "
+                    "jaxmoe knows, too large for metadata)")
+            continue
+        out.append(f)
+    return out
+
+
+def carry_metadata(src: Endpoint, target: Path, dst_kind: str, log=None) -> list[str]:
+    """Copy ``src``'s non-weight HF files next to the converted weights in ``target``.
+
+    * to ``orbax:``: into ``target/hf_meta/`` (the original config.json included);
+    * to ``hf:``: into ``target`` itself, except config.json, which the sink wrote from the
+      model config; its token ids (:data:`CARRIED_CONFIG_KEYS`) are taken from the original.
+    Returns the names carried."""
+    files = meta_files(meta_dir(src), log)
+    if not files or dst_kind == "torch":
+        return []
+    carried = []
+    if dst_kind == "orbax":
+        out = target / HF_META_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copy2(f, out / f.name)
+            carried.append(f.name)
+        return carried
+    for f in files:
+        if f.name == "config.json":
+            try:
+                orig = json.loads(f.read_text())
+            except ValueError:
+                continue
+            written = json.loads((target / "config.json").read_text())
+            keep = {k: orig[k] for k in CARRIED_CONFIG_KEYS if k in orig}
+            if keep:
+                written.update(keep)
+                (target / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+                carried.append("config.json:" + ",".join(keep))
+            continue
+        shutil.copy2(f, target / f.name)
+        carried.append(f.name)
+    return carried
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_scratch(source, dtypes: dict, where: Path, log) -> int:
+    """An orbax: destination needs disk for the checkpoint plus the scratch leaf files it is
+    streamed from (:class:`OrbaxSink`): say how much before starting, and refuse (one line,
+    nothing written) when the file system holding DST has less free space. Returns the bytes."""
+    model = sum(int(np.prod(source.shapes[k], dtype=np.int64)) * np.dtype(dtypes[k]).itemsize
+                for k in source.keys())
+    need = 2 * model  # scratch copy + the checkpoint (removed scratch leaves no trace)
+    free = shutil.disk_usage(where).free
+    log(f"note: writing an orbax: checkpoint of {_gb(model)} needs {_gb(need)} free disk next to "
+        f"the destination (scratch leaf files + the checkpoint); {_gb(free)} free in {where}")
+    if free < need:
+        raise UserError(f"not enough free disk in {where}: converting to orbax: needs "
+                        f"{_gb(need)} ({_gb(model)} checkpoint + {_gb(model)} scratch), "
+                        f"{_gb(free)} free; free space or write --to elsewhere")
+    return need
+
+
 def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, shard_size: str | None = None,
             force: bool = False, log=None) -> dict:
     """Convert ``src`` to ``dst``; returns figures (tensors, bytes, seconds, notices)."""
@@ -255,16 +360,23 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, shard_size: 
             sink = OrbaxSink(target, cfg, scratch=tmp / "leaves")
         else:
             sink = TensorSink(dst.kind, target, cfg, dtypes, shard)
+        if isinstance(sink, OrbaxSink):
+            check_scratch(source, dtypes, dst.path.parent, log)
         for key in source.keys():
             buf = (sink.buffer(key, source.shapes[key], dtypes[key])
                    if isinstance(sink, OrbaxSink) else None)
-            arr = source.read_leaf(key, dtypes[key], out=buf)
+            if isinstance(source, OrbaxSource) and isinstance(sink, TensorSink):
+                # one layer's / expert's slice at a time (one Zarr chunk), never the whole leaf
+                arr = source.leaf_view(key, dtypes[key])
+            else:
+                arr = source.read_leaf(key, dtypes[key], out=buf)
             del buf
             written += arr.nbytes
             sink.write_leaf(key, arr)
             del arr
         sink.close()
         source.close()
+        carried = carry_metadata(src, target, dst.kind, log)
         if dst.path.exists() or dst.path.is_symlink():
             _remove(dst.path)
         os.replace(target, dst.path)
@@ -277,7 +389,7 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, shard_size: 
         "bytes": int(written), "seconds": round(secs, 3),
         "mb_per_s": round(written / 1e6 / max(secs, 1e-9), 1),
         "dtype": sorted({str(d) for d in dtypes.values()}), "src_dtype": src_dtypes,
-        "notices": source.notices,
+        "notices": source.notices, "carried": carried,
     }
 
 

@@ -2,8 +2,8 @@
 
 :func:`compute_logits` runs any endpoint (see :mod:`jaxmoe.port.sources`) in one framework,
 converted first (:func:`jaxmoe.port.convert.convert`) when that framework reads another kind.
-``jaxmoe convert --verify`` then runs the source and destination checkpoints in two frameworks on
-a fixed probe batch and compares logits (:func:`compare_logits`, tolerances in :data:`TOLERANCES`).
+``jaxmoe convert --verify`` (:mod:`jaxmoe.port.verify`) runs the source and destination in two
+frameworks on a fixed probe batch and compares logits (:func:`compare_logits`, :data:`TOLERANCES`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmoe.archs import get_arch
-from jaxmoe.config import Config, load_config
+from jaxmoe.config import Config
 from jaxmoe.errors import UserError
 from jaxmoe.port.convert import convert, load_numpy_tree
 from jaxmoe.port.sources import Endpoint, TensorSource, _shape
@@ -167,35 +167,6 @@ def compare_logits(ref: np.ndarray, out: np.ndarray) -> dict:
     }
 
 
-def verify(src: Endpoint, dst: Endpoint, dtype: str) -> dict:
-    """Run source and destination on a fixed probe batch; figures + pass/fail vs TOLERANCES.
-
-    Source framework: HF transformers when SRC is hf: and transformers is installed, else
-    torch_ref. Destination framework: jaxmoe for orbax:, torch_ref for torch:/hf:. Where
-    torch_ref is not importable, HF transformers stands in for it.
-    """
-    has_torch_ref = _available("torch_ref.hf_io")
-    has_hf = _available("transformers")
-    torch_fw = "torch" if has_torch_ref else "hf"
-    src_fw = "hf" if (src.kind == "hf" and has_hf) else torch_fw
-    dst_fw = "jax" if dst.kind == "orbax" else torch_fw
-    cfg = (load_config(path=dst.path / "config.toml") if dst.kind == "orbax"
-           else TensorSource(dst).cfg)
-    rng = np.random.default_rng(PROBE_SEED)
-    tokens = rng.integers(0, cfg.model.vocab_size, PROBE_SHAPE).astype(np.int32)
-    ref = compute_logits(src, tokens, src_fw)
-    out = compute_logits(dst, tokens, dst_fw)
-    figures = compare_logits(ref, out)
-    tol = TOLERANCES[dtype]
-    figures.update({
-        "src_framework": src_fw, "dst_framework": dst_fw, "tokens": list(PROBE_SHAPE),
-        "tolerance": tol,
-        "ok": bool(figures["kl"] <= tol["kl"] and figures["max_abs"] <= tol["max_abs"]),
-    })
-    return figures
-
-
 __all__ = [
     "PROBE_SEED", "PROBE_SHAPE", "TOLERANCES", "check_tokens", "compare_logits", "compute_logits",
-    "verify",
 ]

@@ -206,26 +206,28 @@ class TensorSource:
             # late: jaxmoe.checkpoint imports jax and Orbax, which hf:/torch: sources never need
             from jaxmoe.checkpoint import release_pages as release
         for ent in self.groups[key]:
-            slot = out[ent.index]
-            if ent.hf_part is not None:  # a part of a fused tensor: read only that part
-                t = self._part(ent)
-                if ent.transpose:
-                    _transpose_into(slot, t)
-                else:
-                    slot[...] = t
-                del t
-            elif not ent.transpose and self.reader.dtype(ent.hf_name) == out.dtype != FP8:
-                self.reader.read_into(ent.hf_name, slot)  # no temporary
-            else:
-                t = self.tensor(ent.hf_name)
-                if ent.transpose:
-                    _transpose_into(out[ent.index], t)
-                else:
-                    out[ent.index] = t
-                del t
+            self._read_entry(ent, out)
             if release is not None:
                 release(out)
         return out
+
+    def _read_entry(self, ent: hf_map.Entry, out: np.ndarray) -> None:
+        """Read the HF tensor (or fused part) of ``ent`` into its slot ``out[ent.index]``."""
+        slot = out[ent.index]
+        if ent.hf_part is not None:  # a part of a fused tensor: read only that part
+            t = self._part(ent)
+            if ent.transpose:
+                _transpose_into(slot, t)
+            else:
+                slot[...] = t
+        elif not ent.transpose and self.reader.dtype(ent.hf_name) == out.dtype != FP8:
+            self.reader.read_into(ent.hf_name, slot)  # no temporary
+        else:
+            t = self.tensor(ent.hf_name)
+            if ent.transpose:
+                _transpose_into(out[ent.index], t)
+            else:
+                out[ent.index] = t
 
     def _part(self, ent: hf_map.Entry) -> np.ndarray:
         """The range ``ent.hf_part`` of HF tensor ``ent.hf_name`` (a fused ``gate_up_proj``'s
@@ -238,6 +240,18 @@ class TensorSource:
             whole = np.memmap(info.file, dtype=info.dtype, mode="r", offset=info.offset,
                               shape=info.shape)
         return whole[(slice(None),) * dim + (slice(start, stop),)]
+
+    def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
+        """The first ``n`` rows of a layer-stack leaf (all of a global leaf): only the HF
+        tensors of those layers are read (a truncated model, ``--verify-layers``)."""
+        ents = [e for e in self.groups[key] if not e.index or e.index[0] < n]
+        if not self.groups[key][0].index:
+            return self.read_leaf(key, dtype)
+        shape = (min(n, self.shapes[key][0]),) + tuple(self.shapes[key][1:])
+        out = np.empty(shape, dtype or self.leaf_dtype(key))
+        for ent in ents:
+            self._read_entry(ent, out)
+        return out
 
     def close(self) -> None:
         pass
@@ -253,7 +267,7 @@ class OrbaxSource:
     training checkpoints (with optimizer state) convert too.
     """
 
-    def __init__(self, ep: Endpoint):
+    def __init__(self, ep: Endpoint, step: int | None = None):
         import orbax.checkpoint as ocp
 
         from jaxmoe.checkpoint import Checkpointer
@@ -267,11 +281,15 @@ class OrbaxSource:
         self.cfg = load_config(path=ep.path / "config.toml")
         ckpt = Checkpointer(ep.path / "checkpoints", async_save=False)
         try:
-            step = ckpt.latest_step()
+            steps = ckpt.all_steps() if step is not None else None
+            step = ckpt.latest_step() if step is None else step
         finally:
             ckpt.close()
         if step is None:
             raise UserError(f"{ep}: no committed checkpoint in {ep.path / 'checkpoints'}")
+        if steps is not None and step not in steps:
+            raise UserError(f"{ep}: no checkpoint at step {step} (steps: "
+                            f"{', '.join(map(str, sorted(steps))) or 'none'})")
         self.step = step
         self.state_dir = (ep.path / "checkpoints" / str(step) / "state").absolute()
         self._ocp = ocp
@@ -326,6 +344,21 @@ class OrbaxSource:
             into[...] = arr
             return into
         return arr
+
+    def leaf_view(self, key: str, dtype=None):
+        """The leaf as a :class:`~jaxmoe.port.orbax_read.LeafSlices`: ``view[index]`` reads one
+        layer's / expert's slice (one Zarr chunk at a time) instead of the whole leaf."""
+        from jaxmoe.port.orbax_read import LeafSlices, open_array
+
+        try:
+            return LeafSlices(open_array(self.state_dir, key), dtype or self.leaf_dtype(key))
+        except OSError as e:
+            raise UserError(f"{self.ep}: cannot read leaf {key} ({e})") from None
+
+    def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
+        """The first ``n`` rows of a layer-stack leaf (all of a global leaf), read partially."""
+        view = self.leaf_view(key, dtype)
+        return view[()] if "/" not in key.split("/", 1)[1] else view.rows(n)
 
     def close(self) -> None:
         self._ckptr.close()

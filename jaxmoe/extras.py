@@ -1,0 +1,48 @@
+"""Optional dependencies: import one lazily, or fail with one line naming the pip extra.
+
+The core install (``pip install jaxmoe``) is what ``jaxmoe train`` needs: jax, flax, optax,
+orbax-checkpoint, numpy, safetensors. Everything else is an extra of ``pyproject.toml``:
+
+* ``[ref]``  torch + transformers: ``convert --verify``, ``logits --framework torch|hf``,
+  ``parity``, ``torch_ref``;
+* ``[text]`` tokenizers: ``--data text:`` and ``jaxmoe tokenizer``;
+* ``[plot]`` matplotlib: ``jaxmoe plot``;
+* ``[tb]``   tensorboardX: TensorBoard files (skipped with a note when absent).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from jaxmoe.errors import UserError
+
+# top-level module -> the extra that installs it
+EXTRA_OF = {
+    "torch": "ref",
+    "transformers": "ref",
+    "torch_ref": "ref",
+    "tokenizers": "text",
+    "matplotlib": "plot",
+    "tensorboardX": "tb",
+}
+
+
+def hint(module: str, what: str) -> str:
+    """The one-line message for a missing optional ``module`` needed by ``what``."""
+    top = module.split(".")[0]
+    extra = EXTRA_OF.get(top, "ref")
+    return (f"{what} needs {top}, which is not installed: pip install 'jaxmoe[{extra}]' "
+            f"(or pip install -e '.[{extra}]' in a checkout)")
+
+
+def require(module: str, what: str):
+    """``import module`` or raise :class:`UserError` with :func:`hint`'s one line."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing = getattr(e, "name", None) or module
+        raise UserError(hint(missing if missing.split(".")[0] in EXTRA_OF else module, what)
+                        ) from None
+
+
+__all__ = ["EXTRA_OF", "hint", "require"]

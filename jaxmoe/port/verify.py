@@ -1,0 +1,199 @@
+"""``jaxmoe convert --verify``: run both sides of a conversion in *different* frameworks.
+
+A conversion is only checked when the written files are read by something other than the mapping
+that wrote them. So one side always runs in jaxmoe (JAX), reading its checkpoint through
+jaxmoe's own readers, and the other side runs in PyTorch reading the HF / torch_ref files with its
+own loader: HF transformers for ``hf:`` (``from_pretrained``, which knows nothing of jaxmoe's
+mapping), torch_ref for ``torch:`` files (``torch_ref.hf_io``: state-dict names, no
+:mod:`jaxmoe.port.hf_map`). Which side runs where:
+
+* ``orbax -> hf|torch``: jaxmoe on the source run dir, PyTorch on the written files;
+* ``hf|torch -> orbax``: PyTorch on the source files, jaxmoe on the written run dir;
+* ``hf <-> torch``: jaxmoe on the source (through the mapping), PyTorch on the written files.
+
+A transposed, swapped or misplaced tensor in the written files therefore changes one side's
+logits and fails the check (``tests/test_convert_verify.py`` injects such errors).
+
+``--verify-layers N`` runs both sides as a model truncated to its first ``N`` layers (same
+embedding, final norm and head): only those layers' tensors are read (slices of the Orbax leaves,
+see :mod:`jaxmoe.port.orbax_read`; only those tensors of the HF files), so a checkpoint far larger
+than memory is verified on one machine. Besides the truncated model's logits, the hidden state
+after each of the first ``N - 1`` layers is compared where the PyTorch side is transformers
+(``output_hidden_states``; the last layer's output is checked through the logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmoe.archs import get_arch
+from jaxmoe.config import Config, load_config, validate
+from jaxmoe.errors import UserError
+from jaxmoe.extras import require
+from jaxmoe.port.hf_map import unflatten
+from jaxmoe.port.logits import PROBE_SEED, PROBE_SHAPE, TOLERANCES, _available, check_tokens, compare_logits
+from jaxmoe.port.sources import Endpoint, TensorSource, open_source
+
+
+def truncated(cfg: Config, n_layers: int | None) -> Config:
+    """``cfg`` for the first ``n_layers`` layers (None: unchanged), fp32 compute, dropless."""
+    m = cfg.model
+    if n_layers is not None:
+        if n_layers < 1:
+            raise UserError(f"--verify-layers {n_layers}: give a number of layers >= 1")
+        n = min(int(n_layers), m.n_layers)
+        m = dataclasses.replace(m, n_layers=n, first_k_dense=min(m.first_k_dense, n))
+    moe = dataclasses.replace(cfg.moe, capacity_factor=0.0)  # HF and torch_ref are dropless
+    train = dataclasses.replace(cfg.train, dtype="float32")
+    return validate(Config(model=m, moe=moe, mesh=cfg.mesh, train=train,
+                           description=cfg.description))
+
+
+def _rows(key: str, cfg: Config) -> int | None:
+    """How many rows of leaf ``key`` the (truncated) ``cfg`` holds; None: a global leaf."""
+    path = key.split("/", 1)[1]
+    stack = path.split("/", 1)[0] if "/" in path else None
+    if stack == "dense":
+        return cfg.model.first_k_dense
+    if stack == "moe":
+        return cfg.model.n_moe_layers
+    return None
+
+
+def jax_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
+    """jaxmoe on ``ep``: ``(logits, hidden [n-1, B, S, D])`` of the (truncated) model."""
+    import jax.numpy as jnp  # late: jax only when a model runs
+
+    from jaxmoe.model.transformer import apply_model
+
+    source = open_source(ep)
+    try:
+        cfg = truncated(source.cfg, n_layers)
+        check_tokens(tokens, cfg)
+        flat = {}
+        for key in source.keys():
+            rows = _rows(key, cfg)
+            if rows == 0:
+                continue
+            if n_layers is None or rows is None:
+                flat[key] = source.read_leaf(key, np.dtype(np.float32))
+            else:
+                flat[key] = source.read_rows(key, rows, np.dtype(np.float32))
+    finally:
+        source.close()
+    tree = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    del flat
+    logits, aux = apply_model(cfg, tree.get("params", {}), tree.get("buffers", {}),
+                              jnp.asarray(tokens), return_probes=True)
+    pr = aux["probes"]
+    ffn = jnp.concatenate([pr["ffn_out"], pr["moe_out"]], axis=0)  # layer order: dense, moe
+    hidden = pr["embedding"][None] + jnp.cumsum(pr["attn_out"] + ffn, axis=0)
+    return np.asarray(logits, np.float32), np.asarray(hidden[:-1], np.float32)
+
+
+def _cfg_of(ep: Endpoint) -> Config:
+    if ep.kind == "orbax":
+        return load_config(path=ep.path / "config.toml")
+    return TensorSource(ep).cfg
+
+
+def hf_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
+    """HF transformers on an ``hf:`` dir: ``(logits, hidden [n-1, B, S, D])``."""
+    torch = require("torch", "jaxmoe convert --verify")
+    transformers = require("transformers", "jaxmoe convert --verify")
+    cfg = _cfg_of(ep)
+    check_tokens(tokens, cfg)
+    quiet = getattr(getattr(transformers.utils, "logging", None), "disable_progress_bar", None)
+    if quiet is not None:  # no "Loading weights" bar in the middle of convert's output
+        quiet()
+    cls = getattr(transformers, get_arch(cfg.model.hf_arch).hf_class)
+    kw = {} if n_layers is None else {"num_hidden_layers": min(n_layers, cfg.model.n_layers)}
+    tlog = transformers.utils.logging
+    level = tlog.get_verbosity()
+    tlog.set_verbosity_error()  # a truncated load lists every skipped layer's tensor as unexpected
+    try:
+        model = cls.from_pretrained(str(ep.path), dtype=torch.float32, **kw).eval()
+    finally:
+        tlog.set_verbosity(level)
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(np.asarray(tokens, np.int64)),
+                    output_hidden_states=True)
+    n = model.config.num_hidden_layers
+    # hidden_states: (embeddings, output of layer 0, ..., output of layer n-2, final norm(...))
+    hidden = np.stack([h.float().numpy() for h in out.hidden_states[1:n]]) if n > 1 else None
+    return out.logits.float().numpy(), hidden
+
+
+def torch_ref_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
+    """torch_ref on an ``hf:`` dir or ``torch:`` file (its own loader): ``(logits, None)``."""
+    torch = require("torch", "jaxmoe convert --verify")
+    hf_io = require("torch_ref.hf_io", "jaxmoe convert --verify")
+    from safetensors import safe_open
+
+    from jaxmoe.port.hf_map import hf_layer_index
+    from torch_ref.transformer import TorchTransformer
+
+    cfg = truncated(_cfg_of(ep), n_layers)
+    check_tokens(tokens, cfg)
+    if ep.kind == "hf":
+        files = hf_io._tensor_files(ep.path)
+    else:
+        with safe_open(str(ep.path), "pt") as f:
+            files = {name: ep.path for name in f.keys()}
+
+    def skip(name):  # layers past the truncation (and MTP layers) are not loaded
+        i = hf_layer_index(name)
+        return i is not None and i >= cfg.model.n_layers
+
+    model = TorchTransformer(cfg)
+    hf_io._load_into(model, files, str(ep.path), torch.float32, skip)
+    model = model.float().eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(np.asarray(tokens, np.int64)))
+    logits = out[0] if isinstance(out, (tuple, list)) else out
+    return logits.float().numpy(), None
+
+
+def sides(src: Endpoint, dst: Endpoint) -> tuple[str, str]:
+    """(source framework, destination framework): one jaxmoe, one PyTorch."""
+    def torch_fw(ep):
+        return "hf" if ep.kind == "hf" and _available("transformers") else "torch"
+
+    if dst.kind == "orbax":
+        return ("jax" if src.kind == "orbax" else torch_fw(src)), "jax"
+    return "jax", torch_fw(dst)
+
+
+RUNNERS = {"jax": jax_side, "hf": hf_side, "torch": torch_ref_side}
+
+
+def verify(src: Endpoint, dst: Endpoint, dtype: str, layers: int | None = None) -> dict:
+    """Run both sides on a fixed probe batch; figures + pass/fail against TOLERANCES[dtype]."""
+    src_fw, dst_fw = sides(src, dst)
+    cfg = _cfg_of(dst)
+    rng = np.random.default_rng(PROBE_SEED)
+    tokens = rng.integers(0, cfg.model.vocab_size, PROBE_SHAPE).astype(np.int32)
+    ref, ref_h = RUNNERS[src_fw](src, tokens, layers)
+    out, out_h = RUNNERS[dst_fw](dst, tokens, layers)
+    figures = compare_logits(ref, out)
+    tol = TOLERANCES[dtype]
+    ok = figures["kl"] <= tol["kl"] and figures["max_abs"] <= tol["max_abs"]
+    if ref_h is not None and out_h is not None:
+        if ref_h.shape != out_h.shape:
+            raise UserError(f"hidden-state shapes differ: {list(ref_h.shape)} vs {list(out_h.shape)}")
+        # per layer, relative to that layer's activation scale (the residual stream grows)
+        scale = np.maximum(np.abs(ref_h).max(axis=(1, 2, 3)), 1.0)
+        per_layer = np.abs(ref_h - out_h).max(axis=(1, 2, 3)) / scale
+        figures["hidden_rel_max_abs"] = [float(x) for x in per_layer]
+        ok = ok and bool(np.all(per_layer <= tol["max_abs"]))
+    figures.update({
+        "src_framework": src_fw, "dst_framework": dst_fw, "tokens": list(PROBE_SHAPE),
+        "layers": layers if layers is None else min(layers, cfg.model.n_layers),
+        "tolerance": tol, "ok": bool(ok),
+    })
+    return figures
+
+
+__all__ = ["jax_side", "hf_side", "sides", "torch_ref_side", "truncated", "verify"]
