@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 
+from jaxmoe.archs.base import LAYOUTS
 from jaxmoe.errors import UserError
 from jaxmoe.extras import require
 from jaxmoe.port.convert import convert
@@ -28,6 +29,11 @@ def add_args_convert(p) -> None:
     p.add_argument("--dtype", choices=sorted(FLOAT_DTYPES),
                    help="output dtype of the weights (default: source dtype; float32 for orbax:)")
     p.add_argument("--shard-size", help="hf: output shard size, e.g. 5GB or 500MB (default: one file)")
+    p.add_argument("--hf-layout", choices=LAYOUTS,
+                   help="hf: output expert layout: per-expert (default; hub names, "
+                        "experts.{e}.gate_proj.weight ...) or fused (experts.gate_up_proj "
+                        "[E, 2I, H] / experts.down_proj [E, H, I], as transformers' "
+                        "save_pretrained(save_original_format=False) writes)")
     p.add_argument("--verify", action="store_true",
                    help="compare source and destination logits on a probe batch; non-zero exit "
                         "past tolerance")
@@ -47,7 +53,8 @@ def run_convert(args) -> int:
         raise UserError(f"--verify-layers {args.verify_layers}: give a number of layers >= 1")
     if args.verify:  # before anything is written: --verify runs torch (the [ref] extra)
         require("torch", "jaxmoe convert --verify")
-    stats = convert(src, dst, dtype=args.dtype, shard_size=args.shard_size, force=args.force)
+    stats = convert(src, dst, dtype=args.dtype, shard_size=args.shard_size, force=args.force,
+                    hf_layout=args.hf_layout)
     rc = 0
     if args.verify:
         # bf16 tolerances apply when either side holds bf16 weights

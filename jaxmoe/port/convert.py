@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmoe.archs.base import LAYOUTS
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import to_hf_config
@@ -66,10 +67,47 @@ def _float_dtype(name: str | None):
 
 
 def _transposed(src: np.ndarray, dtype=None) -> np.ndarray:
-    """A contiguous copy of ``src.T`` (optionally cast), made with :func:`_transpose_into`."""
-    out = np.empty(src.shape[::-1], dtype or src.dtype)
+    """A contiguous copy of ``src`` with its last two axes swapped (``src.T`` for 2-D; a fused
+    ``[E, a, b]`` -> ``[E, b, a]``), optionally cast, made with :func:`_transpose_into`."""
+    out = np.empty(src.shape[:-2] + (src.shape[-1], src.shape[-2]), dtype or src.dtype)
     _transpose_into(out, src)
     return out
+
+
+class _PartWriter(SafetensorsWriter):
+    """A :class:`SafetensorsWriter` that also writes *parts* of a tensor (a fused
+    ``gate_up_proj``'s gate or up half, :attr:`hf_map.Entry.hf_part`) straight to their place in
+    the file, so a fused tensor is assembled on disk: nothing waits in memory for its other part.
+    The tensor counts as written once its parts cover it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parts: dict[str, list[tuple[int, int]]] = {}
+
+    def write_part(self, name: str, part: tuple[int, int, int], array: np.ndarray) -> None:
+        p = self.planned[name]
+        dim, start, stop = part
+        want = p.shape[:dim] + (stop - start,) + p.shape[dim + 1:]
+        if p.written or tuple(array.shape) != want or not 0 <= start < stop <= p.shape[dim]:
+            raise ValueError(f"tensor {name}: part {part} of shape {list(array.shape)} does not "
+                             f"fit planned {list(p.shape)} (or written twice)")
+        got = self.parts.setdefault(name, [])
+        if any(a < stop and start < b for a, b in got):
+            raise ValueError(f"tensor {name}: part {part} overlaps one already written")
+        data = np.ascontiguousarray(array, dtype=p.dtype)
+        inner = int(np.prod(p.shape[dim + 1:], dtype=np.int64)) * p.dtype.itemsize
+        # one contiguous byte run per index of the axes before ``dim``
+        runs = data.reshape(int(np.prod(p.shape[:dim], dtype=np.int64)), -1).view(np.uint8)
+        fd = os.open(p.file, os.O_WRONLY)
+        try:
+            for i, run in enumerate(runs):
+                at, view, done = p.offset + (i * p.shape[dim] + start) * inner, memoryview(run), 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], at + done)
+        finally:
+            os.close(fd)
+        got.append((start, stop))
+        p.written = sum(b - a for a, b in got) == p.shape[dim]
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,30 +116,45 @@ def _transposed(src: np.ndarray, dtype=None) -> np.ndarray:
 
 
 class TensorSink:
-    """Write leaves as HF-named tensors: an HF dir (+ config.json) or a torch_ref file."""
+    """Write leaves as HF-named tensors: an HF dir (+ config.json) or a torch_ref file.
 
-    def __init__(self, kind: str, target: Path, cfg: Config, dtypes: dict, shard_size=None):
-        self.table = hf_map.entries(cfg)
+    ``layout`` is the HF expert layout written (:data:`jaxmoe.archs.base.LAYOUTS`): per-expert
+    (hub names, one ``[I, H]`` tensor per expert) or fused (``save_pretrained(...,
+    save_original_format=False)``: one ``[E, 2I, H]`` ``gate_up_proj`` and one ``[E, H, I]``
+    ``down_proj`` per layer). A fused ``gate_up_proj`` gets its gate half from the gate leaf and
+    its up half from the up leaf, each written in place as its leaf arrives
+    (:meth:`_PartWriter.write_part`): the sink holds no more than one layer's part (the
+    transposed copy) beyond what the source hands it, and never a whole fused tensor."""
+
+    def __init__(self, kind: str, target: Path, cfg: Config, dtypes: dict, shard_size=None,
+                 layout: str = "per-expert"):
+        self.table = hf_map.entries(cfg, layout)
         self.groups = hf_map.leaf_entries(cfg, self.table)
-        self.zeros = [e for e in self.table if e.key == hf_map.ZERO]
-        plan = [(e.hf_name, e.hf_shape, np.float32 if e.key == hf_map.ZERO else dtypes[e.key])
-                for e in self.table]
+        by_tensor = hf_map.tensors(self.table)  # a fused gate_up_proj: two rows, one tensor
+        self.zeros = [rows[0] for rows in by_tensor.values() if rows[0].key == hf_map.ZERO]
+        plan = [(name, rows[0].hf_shape,
+                 np.float32 if rows[0].key == hf_map.ZERO else dtypes[rows[0].key])
+                for name, rows in by_tensor.items()]
         self.tensors = len(plan)
         if kind == "hf":
             target.mkdir(parents=True)
             hf_cfg = to_hf_config(cfg, dtype=str(np.dtype(dtypes["params/embed"])))
             (target / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-            self.writer = SafetensorsWriter(target, plan, shard_size=shard_size)
+            self.writer = _PartWriter(target, plan, shard_size=shard_size)
         else:
             if shard_size is not None:
                 raise UserError("--shard-size applies to hf: destinations only")
-            self.writer = SafetensorsWriter(target, plan, metadata={TORCH_CONFIG_KEY: cfg.to_json()},
-                                            single_file=True)
+            self.writer = _PartWriter(target, plan, metadata={TORCH_CONFIG_KEY: cfg.to_json()},
+                                      single_file=True)
 
     def write_leaf(self, key: str, arr: np.ndarray) -> None:
         for ent in self.groups[key]:
             t = arr[ent.index]
-            self.writer.write(ent.hf_name, _transposed(t) if ent.transpose else t)
+            t = _transposed(t) if ent.transpose else t
+            if ent.hf_part is None:
+                self.writer.write(ent.hf_name, t)
+            else:
+                self.writer.write_part(ent.hf_name, ent.hf_part, t)
 
     def close(self) -> None:
         for ent in self.zeros:
@@ -329,13 +382,22 @@ def check_scratch(source, dtypes: dict, where: Path, log) -> int:
 
 
 def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, shard_size: str | None = None,
-            force: bool = False, log=None) -> dict:
-    """Convert ``src`` to ``dst``; returns figures (tensors, bytes, seconds, notices)."""
+            force: bool = False, log=None, hf_layout: str | None = None) -> dict:
+    """Convert ``src`` to ``dst``; returns figures (tensors, bytes, seconds, notices).
+
+    ``hf_layout``: the expert layout of an ``hf:`` destination (``per-expert``, the default, or
+    ``fused``; see :class:`TensorSink`)."""
     log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
     np_dtype = _float_dtype(dtype)
     shard = parse_size(shard_size) if shard_size else None
     if shard is not None and dst.kind != "hf":
         raise UserError("--shard-size applies to hf: destinations only")
+    if hf_layout is not None and hf_layout not in LAYOUTS:
+        raise UserError(f"--hf-layout {hf_layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if hf_layout is not None and dst.kind != "hf":
+        # torch: files are torch_ref's, whose loader reads the per-expert names only
+        raise UserError(f"--hf-layout applies to hf: destinations only ({dst.kind}: has one "
+                        "layout); drop it or write --to hf:DIR")
     if src.path.resolve() == dst.path.resolve():
         raise UserError(f"--from and --to are the same path ({dst.path})")
     if _is_nonempty(dst.path):
@@ -359,7 +421,8 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, shard_size: 
         if dst.kind == "orbax":
             sink = OrbaxSink(target, cfg, scratch=tmp / "leaves")
         else:
-            sink = TensorSink(dst.kind, target, cfg, dtypes, shard)
+            sink = TensorSink(dst.kind, target, cfg, dtypes, shard,
+                              layout=hf_layout or LAYOUTS[0])
         if isinstance(sink, OrbaxSink):
             check_scratch(source, dtypes, dst.path.parent, log)
         for key in source.keys():
@@ -385,7 +448,9 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, shard_size: 
     secs = time.perf_counter() - t0
     return {
         "src": str(src), "dst": str(dst), "arch": cfg.model.hf_arch,
-        "leaves": len(source.keys()), "tensors": len(hf_map.entries(cfg)),
+        "leaves": len(source.keys()),
+        "tensors": sink.tensors if isinstance(sink, TensorSink) else len(hf_map.entries(cfg)),
+        "hf_layout": (hf_layout or LAYOUTS[0]) if dst.kind == "hf" else None,
         "bytes": int(written), "seconds": round(secs, 3),
         "mb_per_s": round(written / 1e6 / max(secs, 1e-9), 1),
         "dtype": sorted({str(d) for d in dtypes.values()}), "src_dtype": src_dtypes,
