@@ -135,7 +135,8 @@ def owner_placed(shardings: dict, shapes: dict) -> list[str]:
     out = []
     for path, shape in shapes.items():
         sh = shardings.get(path)
-        if isinstance(sh, NamedSharding) and owner_axes(sh.mesh) and not lives_whole(sh, len(shape)):
+        if len(shape) >= 2 and isinstance(sh, NamedSharding) and owner_axes(sh.mesh) \
+                and not lives_whole(sh, len(shape)):
             out.append(path)
     return sorted(out)
 

@@ -91,14 +91,15 @@ def _is_expert(axes) -> bool:
     return "experts" in tuple(axes or ())
 
 
-def optimizer_update_collectives(cfg, mesh) -> dict:
+def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
     """Compile ``cfg``'s optimizer update (``cfg.train.optimizer``, ``cfg.train.muon_placement``)
     on the concrete ``mesh`` (a ``jax.sharding.Mesh`` with jaxmoe's axis names), parameters and
     optimizer state placed by the rules table, once for the expert parameters (declared with an
     ``experts`` axis) and once for the rest (dense), and count the collectives of each compiled
     module. Returns ``{"expert": {op: {"count", "bytes"}}, "dense": {...}, "module": str}``.
 
-    Global-norm clipping is left out (it adds one scalar all-reduce per group whatever the
+    ``specs``: the params' PartitionSpecs (a pytree like the params) to use instead of the rules
+    table's. Global-norm clipping is left out (it adds one scalar all-reduce per group whatever the
     placement); everything else is the optimizer the train step runs."""
     import jax
     from jax.sharding import NamedSharding
@@ -113,7 +114,7 @@ def optimizer_update_collectives(cfg, mesh) -> dict:
     params, _ = abstract_params(cfg)
     groups = declared_groups(cfg)
     axes = declared_axes_flat(cfg)
-    pspecs = param_specs(params, axes, sizes)
+    pspecs = param_specs(params, axes, sizes) if specs is None else specs
     flat_p = _flat(params)
     out = {"module": (f"optimizer update ({tcfg.optimizer}, muon_placement={tcfg.muon_placement}, "
                       "no clipping) compiled (SPMD-partitioned) on the mesh "
