@@ -9,7 +9,10 @@ matrix is given to ONE owner device instead:
   and whose batch dims (layers, experts) are sharded over some mesh axis -- stacked experts
   ``[L, E, in, out]`` with ``E`` over ``expert`` (or over ``fsdp x expert``) -- is orthogonalised
   on the devices that hold it. Nothing moves.
-* **Owner-placed** (every other matrix leaf: matrix dims sharded, or the whole leaf replicated):
+* **Gathered in its batch shard**: stacked experts whose ``E`` axis is sharded *and* whose
+  matrix dims are split too (``E`` over ``expert``, ``in`` over ``fsdp``): each device gathers its
+  own experts' matrices over the matrix dims' axes only, orthogonalises them, keeps its slice.
+* **Owner-placed** (every other matrix leaf: only matrix dims sharded, or the leaf replicated):
   a leaf with batch shape ``B`` holds ``M = prod(B)`` matrices (a scanned ``[L, in, out]`` leaf
   holds L). :func:`plan_owners` gives each ``(leaf, matrix)`` an owner among the ``N`` devices of
   one replica (all mesh axes but ``replica``: replicas never talk for the optimizer), greedily
@@ -63,13 +66,25 @@ def owner_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a != REPLICA_AXIS and mesh.shape[a] > 1)
 
 
-def lives_whole(sharding: NamedSharding, ndim: int) -> bool:
-    """True when a matrix leaf can be orthogonalised where it lives: its last two dims are not
-    sharded and some batch dim is (so each device holds whole matrices, and not all of them)."""
+def placement(sharding, ndim: int) -> str:
+    """How the matrices of a leaf (``ndim >= 2``) with this sharding are orthogonalised:
+
+    * ``"local"``: its matrix dims (the last two) are not sharded and a batch dim is (each device
+      holds whole matrices, and not all of them), or there is no mesh to spread over: NS where
+      they live, zero collectives;
+    * ``"gather"``: matrix dims *and* a batch dim are sharded (stacked experts split over
+      ``fsdp`` along ``in``): each device gathers only its own batch shard's matrices over the
+      matrix dims' axes, orthogonalises them and keeps its slice (no owner exchange needed);
+    * ``"owner"``: the rest (dense matrices: only matrix dims sharded, or replicated): owners.
+    """
+    if not isinstance(sharding, NamedSharding) or not owner_axes(sharding.mesh):
+        return "local"
     mesh = sharding.mesh
-    dims = _spec_dims(sharding.spec, ndim)
-    live = [tuple(a for a in d if mesh.shape[a] > 1) for d in dims]
-    return not live[-1] and not live[-2] and any(live[:-2])
+    live = [tuple(a for a in d if mesh.shape[a] > 1) for d in _spec_dims(sharding.spec, ndim)]
+    batch_sharded = any(live[:-2])
+    if batch_sharded:
+        return "local" if not (live[-1] or live[-2]) else "gather"
+    return "owner"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +150,7 @@ def owner_placed(shardings: dict, shapes: dict) -> list[str]:
     out = []
     for path, shape in shapes.items():
         sh = shardings.get(path)
-        if len(shape) >= 2 and isinstance(sh, NamedSharding) and owner_axes(sh.mesh) \
-                and not lives_whole(sh, len(shape)):
+        if len(shape) >= 2 and placement(sh, len(shape)) == "owner":
             out.append(path)
     return sorted(out)
 
@@ -152,7 +166,18 @@ def orthogonalise(us: dict, shardings: dict, ns: Callable, steps: int = 5) -> di
     ``K a b (N-1)/N`` elements each way, where an all-gather of the class would bring it
     ``M a b (N-1)/N``."""
     placed = set(owner_placed(shardings, {p: tuple(u.shape) for p, u in us.items()}))
-    out = {p: ns(u) for p, u in us.items() if p not in placed}  # in place: zero collectives
+    out = {}
+    for p, u in us.items():
+        if p in placed:
+            continue
+        if placement(shardings.get(p), u.ndim) == "gather":  # whole matrices of this batch shard
+            sh = shardings[p]
+            spec = tuple(sh.spec) + (None,) * (u.ndim - len(sh.spec))
+            whole = NamedSharding(sh.mesh, P(*spec[:-2], None, None))
+            u = jax.lax.with_sharding_constraint(u, whole)
+            out[p] = jax.lax.with_sharding_constraint(ns(u), sh)
+        else:
+            out[p] = ns(u)  # in place: zero collectives
     if not placed:
         return out
     meshes = {shardings[p].mesh for p in placed}
@@ -199,5 +224,5 @@ def orthogonalise(us: dict, shardings: dict, ns: Callable, steps: int = 5) -> di
     return out
 
 
-__all__ = ["ClassPlan", "REPLICA_AXIS", "lives_whole", "ns_flops", "orthogonalise", "owner_axes",
+__all__ = ["ClassPlan", "REPLICA_AXIS", "ns_flops", "orthogonalise", "owner_axes", "placement",
            "owner_placed", "plan_owners"]

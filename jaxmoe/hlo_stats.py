@@ -20,6 +20,14 @@ import dataclasses
 import math
 import re
 
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmoe.model.transformer import abstract_params, declared_groups
+from jaxmoe.optim import build_optimizer
+from jaxmoe.sharding import declared_axes_flat, matched_specs, param_specs
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
 
@@ -101,14 +109,6 @@ def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
     ``specs``: the params' PartitionSpecs (a pytree like the params) to use instead of the rules
     table's. Global-norm clipping is left out (it adds one scalar all-reduce per group whatever the
     placement); everything else is the optimizer the train step runs."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxmoe.model.transformer import abstract_params, declared_groups
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.sharding import declared_axes_flat, matched_specs, param_specs
-
     sizes = {a: int(mesh.shape.get(a, 1)) for a in mesh.axis_names}
     tcfg = dataclasses.replace(cfg.train, grad_clip=0.0)
     params, _ = abstract_params(cfg)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmoe.config import Config
+from jaxmoe.errors import UserError
 from jaxmoe.losses import update_expert_bias
 from jaxmoe.model.transformer import init_params
 from jaxmoe.objective import make_grad_fn, model_loss
@@ -54,6 +55,11 @@ def state_shardings(cfg: Config, abstract_state: dict, mesh_ctx=None):
     same layout in ``pinned_host`` memory. None when neither a mesh nor offloading asks for any
     (jit then places the state itself)."""
     offload = cfg.train.offload_optimizer
+    if offload:
+        dev0 = jax.local_devices()[0]
+        if HOST_KIND not in {m.kind for m in dev0.addressable_memories()}:
+            raise UserError(f"train.offload_optimizer: {dev0.platform} device {dev0.id} has no "
+                            f"{HOST_KIND} memory; set train.offload_optimizer=false")
     if mesh_ctx is not None:
         sh = mesh_ctx.state_shardings(abstract_state)
     elif offload:

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import load_config
-from jaxmoe.flexshard import ns_flops, owner_placed, plan_owners
+from jaxmoe.flexshard import ns_flops, owner_placed, placement, plan_owners
 from jaxmoe.hlo_stats import count_collectives, optimizer_update_collectives, total
 from jaxmoe.mesh import make_mesh
 from jaxmoe.model.transformer import abstract_params, declared_groups
@@ -89,7 +89,9 @@ def test_owner_placed_reads_shardings_not_rules():
                  "replicated": sh()}
     shapes = {"experts_whole": (2, 8, 16, 16), "experts_split": (2, 8, 16, 16), "dense": (2, 16, 8),
               "replicated": (2, 8, 8)}
-    assert owner_placed(shardings, shapes) == ["dense", "experts_split", "replicated"]
+    assert owner_placed(shardings, shapes) == ["dense", "replicated"]
+    assert [placement(shardings[k], len(shapes[k])) for k in sorted(shapes)] == \
+        ["owner", "gather", "local", "owner"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -117,13 +119,16 @@ def _run(cfg, params, grads, shardings):
 _REF: dict = {}
 
 
-@pytest.mark.parametrize("mesh_name", [pytest.param("fsdp2xexpert4"),
-                                       pytest.param("fsdp8", marks=pytest.mark.slow)])
-def test_owner_update_equals_single_device(mesh_name):
+@pytest.mark.parametrize("mesh_name,layout", [
+    ("fsdp2xexpert4", "factored"),  # experts whole over fsdp x expert: in place
+    ("fsdp2xexpert4", "rules"),  # this tree's rules: E over expert, `in` over fsdp -> gathered
+    pytest.param("fsdp8", "factored", marks=pytest.mark.slow)])
+def test_owner_update_equals_single_device(mesh_name, layout):
     cfg = _cfg()
     sizes = MESHES[mesh_name]
     mesh = make_mesh(sizes)
-    specs = _factored_specs(cfg, sizes)
+    specs = (_factored_specs(cfg, sizes) if layout == "factored"
+             else param_specs(abstract_params(cfg)[0], declared_axes_flat(cfg), sizes))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     abstract, _ = abstract_params(cfg)
     rng = np.random.default_rng(0)
