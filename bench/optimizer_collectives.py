@@ -1,13 +1,14 @@
 """Collectives and bytes in the compiled (SPMD-partitioned) optimizer update, expert vs dense
 parameters, for Muon's two placements (train.muon_placement) on 8 fake CPU devices.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python bench/optimizer_collectives.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python bench/optimizer_collectives.py [PRESET ...]
 
 Experts are laid out either by the rules table ("rules") or with their E axis over fsdp x expert
 ("factored": whole experts per device), written as parameter shardings.
 """
 
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -39,7 +40,7 @@ def factored(cfg, sizes):
 def main():
     print("| preset | mesh | experts | placement | expert ops / bytes | dense ops / bytes |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for preset in ("tiny", "tiny-mla"):
+    for preset in sys.argv[1:] or ("tiny", "tiny-mla"):
         for sizes in (dict(replica=1, fsdp=2, expert=4, tensor=1), dict(replica=1, fsdp=8, expert=1, tensor=1)):
             mesh = make_mesh(sizes)
             for layout in ("rules", "factored"):

@@ -14,15 +14,16 @@ matrix is given to ONE owner device instead:
   own experts' matrices over the matrix dims' axes only, orthogonalises them, keeps its slice.
 * **Owner-placed** (every other matrix leaf: only matrix dims sharded, or the leaf replicated):
   a leaf with batch shape ``B`` holds ``M = prod(B)`` matrices (a scanned ``[L, in, out]`` leaf
-  holds L). :func:`plan_owners` gives each ``(leaf, matrix)`` an owner among the ``N`` devices of
-  one replica (all mesh axes but ``replica``: replicas never talk for the optimizer), greedily
-  longest-processing-time first by NS FLOPs, so that the per-device NS work is balanced. At run
-  time each leaf's NS input is gathered into an owner buffer ``[N, K, in, out]`` (``K``: the most
-  matrices of that leaf any one device owns; unused slots are zero) whose first axis is sharded
-  over the replica's devices, so resharding into it is an all-to-all (each element sent once, to
-  its owner); the owner orthogonalises its ``K`` slots -- empty slots are skipped at run time by a
-  ``lax.cond`` on a per-device mask -- and the result is resharded back to the parameter's own
-  sharding (the inverse all-to-all; an all-gather only where the parameter itself is replicated).
+  holds L). Matrices of one shape, dtype and matrix-dim sharding form a class (e.g. every
+  layer's ``q_proj``, or ``gate``/``up`` together). :func:`plan_owners` gives each matrix an owner
+  among the ``N`` devices of one replica (all mesh axes but ``replica``: replicas never talk for
+  the optimizer), longest-processing-time first by NS FLOPs, with at most ``K = ceil(M / N)`` of a
+  class per device. At run time a class's NS input is gathered into an owner buffer
+  ``[N, K, in, out]`` (unused slots zero) whose first axis is sharded over the replica's devices,
+  so resharding into it is one all-to-all (each element sent once, to its owner); the owner
+  orthogonalises its ``K`` slots -- empty slots are skipped at run time by a ``lax.cond`` on a
+  per-device mask -- and the result is resharded back to the parameter's own sharding (the
+  inverse all-to-all; plus an all-gather only where the parameter itself is replicated).
 
 The decision reads the *parameter shardings* (``NamedSharding`` per leaf), never a specific rule,
 so it stays right when the rules table changes. Numerics: the per-matrix computation is the same
