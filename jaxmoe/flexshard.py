@@ -174,9 +174,12 @@ def orthogonalise(us: dict, shardings: dict, ns: Callable, steps: int = 5) -> di
         if placement(shardings.get(p), u.ndim) == "gather":  # whole matrices of this batch shard
             sh = shardings[p]
             spec = tuple(sh.spec) + (None,) * (u.ndim - len(sh.spec))
-            whole = NamedSharding(sh.mesh, P(*spec[:-2], None, None))
-            u = jax.lax.with_sharding_constraint(u, whole)
-            out[p] = jax.lax.with_sharding_constraint(ns(u), sh)
+            whole = P(*spec[:-2], None, None)
+            u = jax.lax.with_sharding_constraint(u, NamedSharding(sh.mesh, whole))
+            # inside shard_map: XLA must not re-partition NS's matmuls along the matrix dims
+            # (it would, propagating the parameter's sharding back: an all-reduce per step)
+            local = jax.shard_map(ns, mesh=sh.mesh, in_specs=whole, out_specs=whole, check_vma=False)
+            out[p] = jax.lax.with_sharding_constraint(local(u), sh)
         else:
             out[p] = ns(u)  # in place: zero collectives
     if not placed:
