@@ -44,7 +44,8 @@ from jaxmoe.optim import build_optimizer, lr_schedule
 from jaxmoe.prefetch import Prefetcher
 from jaxmoe.preempt import EXIT_PREEMPTED, Preemption
 from jaxmoe.run_dir import RunDir
-from jaxmoe.step import device_peak_flops, init_state, make_eval_step, make_train_step, opt_init_fn
+from jaxmoe.step import (device_peak_flops, init_state, make_eval_step, make_train_step, opt_init_fn,
+                         state_shardings)
 
 EXIT_STOPPED = 3  # train.max_bad_steps non-finite steps in a row
 
@@ -110,7 +111,7 @@ class Trainer:
         return {k: jax.device_put(np.asarray(v)) for k, v in batch.items()}
 
     def _shardings(self, abstract_state):
-        return None if self.mesh_ctx is None else self.mesh_ctx.state_shardings(abstract_state)
+        return state_shardings(self.cfg, abstract_state, self.mesh_ctx)  # + optimizer offload
 
     def _fresh_state(self, tx, shardings):
         """Params, buffers and optimizer state created under jit with their output shardings: each
@@ -134,7 +135,8 @@ class Trainer:
         abstract = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
         shardings = self._shardings(abstract)
         if self.resume and ckpt.all_steps():
-            target = abstract if self.mesh_ctx is None else self.mesh_ctx.place_state(abstract)
+            target = abstract if shardings is None else jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
             if self.resume_step is not None:
                 state, meta = ckpt.restore(target, step=self.resume_step)
             else:
@@ -208,7 +210,10 @@ class Trainer:
     def _run(self, preempt: Preemption, data) -> RunResult:
         cfg, rd = self.cfg, self.rd
         self.cache_dir = compile_cache.enable(self.compile_cache_on)
-        tx = build_optimizer(cfg.train, abstract_params(cfg)[0], declared_groups(cfg))
+        params = abstract_params(cfg)[0]
+        tx = build_optimizer(cfg.train, params, declared_groups(cfg),  # Muon placement reads
+                             None if self.mesh_ctx is None else  # the params' shardings
+                             self.mesh_ctx.state_shardings({"params": params})["params"])
         ckpt = Checkpointer(rd.ckpt_dir, keep=cfg.train.keep_checkpoints)
         aborted = False
         try:

@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 from jaxmoe.config import TrainConfig
+from jaxmoe.flexshard import orthogonalise
 
 # --------------------------------------------------------------------------------------------
 # Learning-rate schedules
@@ -145,6 +146,14 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 # --------------------------------------------------------------------------------------------
 
 
+def _path(keypath) -> str:
+    """``/``-joined names of a pytree key path (dict keys, attributes, indices)."""
+    parts = []
+    for k in keypath:
+        parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+    return "/".join(parts)
+
+
 class MuonState(NamedTuple):
     count: jax.Array  # number of updates done (int32), indexes the learning-rate schedule
     momentum: Any  # momentum buffers, like params, fp32
@@ -207,6 +216,8 @@ def muon(
     adjust_lr: str = "original",
     weight_decay: float = 0.1,
     ns_dtype: str = "bfloat16",
+    placement: str = "replicated",
+    shardings=None,
 ) -> optax.GradientTransformation:
     """Muon, reproducing ``torch.optim.Muon`` (torch 2.13) on jaxmoe's ``[..., in, out]`` weights.
 
@@ -229,12 +240,22 @@ def muon(
 
     Leading dims are batch dims: a stacked ``[Lm, E, in, out]`` expert weight is orthogonalised
     per (layer, expert) matrix, with its own norm.
+
+    Placement of Newton–Schulz on a mesh (``shardings``: a pytree like the params, of their
+    ``NamedSharding``s, or None): ``"replicated"`` lets XLA place it (a sharded matrix is gathered
+    wherever it is orthogonalised); ``"owner"`` (:mod:`jaxmoe.flexshard`) orthogonalises whole
+    matrices where they live (experts) and gives every other matrix to one owner device, balanced
+    by NS FLOPs. The same values either way; without ``shardings`` both are the plain computation.
     """
     if adjust_lr not in ("original", "match_rms_adamw", "none"):
         raise ValueError(f"muon adjust_lr={adjust_lr!r} is not one of original, match_rms_adamw, none")
     if ns_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"muon ns_dtype={ns_dtype!r} is not one of bfloat16, float32")
+    if placement not in ("replicated", "owner"):
+        raise ValueError(f"muon placement={placement!r} is not one of replicated, owner")
     dtype = jnp.bfloat16 if ns_dtype == "bfloat16" else jnp.float32
+    by_path = {} if shardings is None else {
+        _path(kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
     lr_fn = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
 
     def ratio(shape) -> float:
@@ -254,27 +275,39 @@ def muon(
             raise ValueError("muon needs params (decoupled weight decay); pass params to update()")
         lr = jnp.asarray(lr_fn(state.count), jnp.float32)
 
-        def one(g, buf, p):
+        def momentum_step(g, buf):
             if g.ndim < 2:
                 raise ValueError(f"muon got a leaf of shape {g.shape}; it needs matrices")
             g32 = g.astype(jnp.float32)
             buf = _lerp(buf, g32, 1.0 - momentum)  # = momentum * buf + (1 - momentum) * g
             u = _lerp(g32, buf, momentum) if nesterov else buf  # = (1 - mu) * g + mu * buf
+            return u, buf
+
+        def ns(u):  # whole matrices [..., in, out] -> their orthogonalisation, same layout
             u_t = jnp.swapaxes(u, -1, -2)  # torch orientation [.., out, in]
-            o = jnp.swapaxes(_newton_schulz(u_t, ns_coefficients, ns_steps, eps, dtype), -1, -2)
+            return jnp.swapaxes(_newton_schulz(u_t, ns_coefficients, ns_steps, eps, dtype), -1, -2)
+
+        def apply(o, p):
             # Form the new parameter as torch does (decay, then subtract) and return the
             # difference: p + (new - p) == new exactly for small steps (Sterbenz), so an optax
             # apply_updates reproduces torch's rounding instead of adding a re-associated sum.
             p32 = p.astype(jnp.float32)
             new = p32 * (1.0 - lr * weight_decay) - (lr * ratio(p.shape)) * o.astype(jnp.float32)
-            return (new - p32).astype(p.dtype), buf
+            return (new - p32).astype(p.dtype)
 
-        flat_g, treedef = jax.tree_util.tree_flatten(updates)
+        keyed, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        paths = [_path(kp) for kp, _ in keyed]
         flat_b = treedef.flatten_up_to(state.momentum)
         flat_p = treedef.flatten_up_to(params)
-        out = [one(g, b, p) for g, b, p in zip(flat_g, flat_b, flat_p)]
-        new_updates = treedef.unflatten([o[0] for o in out])
-        new_bufs = treedef.unflatten([o[1] for o in out])
+        steps = [momentum_step(g, b) for (_, g), b in zip(keyed, flat_b)]
+        # NS casts its input to ns_dtype first: cast before placing it (half the bytes in bf16)
+        us = {path: u.astype(dtype) for path, (u, _) in zip(paths, steps)}
+        if placement == "owner" and by_path:
+            os_ = orthogonalise(us, by_path, ns, ns_steps)
+        else:
+            os_ = {path: ns(u) for path, u in us.items()}
+        new_updates = treedef.unflatten([apply(os_[path], p) for path, p in zip(paths, flat_p)])
+        new_bufs = treedef.unflatten([b for _, b in steps])
         return new_updates, MuonState(count=optax.safe_increment(state.count), momentum=new_bufs)
 
     return optax.GradientTransformation(init, update)
@@ -296,7 +329,7 @@ def _adamw(tcfg: TrainConfig, mask) -> optax.GradientTransformation:
     )
 
 
-def build_optimizer(tcfg: TrainConfig, params, groups) -> optax.GradientTransformation:
+def build_optimizer(tcfg: TrainConfig, params, groups, shardings=None) -> optax.GradientTransformation:
     """Gradient clipping (``tcfg.grad_clip``; 0 = off) then AdamW, or Muon + AdamW.
 
     ``groups``: the optimizer group of every parameter, a pytree like ``params`` (the modules'
@@ -304,7 +337,8 @@ def build_optimizer(tcfg: TrainConfig, params, groups) -> optax.GradientTransfor
     ``lr_schedule(tcfg, tcfg.lr)`` on all params, decay masked by :func:`decay_mask`. ``muon``:
     ``optax.multi_transform`` over :func:`param_labels`, Muon (``lr_schedule(tcfg, tcfg.muon_lr)``,
     ``tcfg.muon_*``) on "muon" leaves and the same AdamW on "adamw" leaves. ``params`` is only
-    used for its structure.
+    used for its structure. ``shardings``: the params' ``NamedSharding``s (a pytree like
+    ``params``) on a mesh, read by Muon's ``tcfg.muon_placement`` (:mod:`jaxmoe.flexshard`).
     """
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(groups):
         raise ValueError("build_optimizer: groups do not have the structure of params")
@@ -330,6 +364,8 @@ def build_optimizer(tcfg: TrainConfig, params, groups) -> optax.GradientTransfor
                     adjust_lr=tcfg.muon_adjust_lr,
                     weight_decay=tcfg.muon_weight_decay,
                     ns_dtype=tcfg.muon_ns_dtype,
+                    placement=tcfg.muon_placement,
+                    shardings=shardings,
                 ),
                 "adamw": _adamw(tcfg, adamw_mask),
             },

@@ -163,6 +163,13 @@ class TrainConfig:
     muon_adjust_lr: Literal["original", "match_rms_adamw", "none"] = "original"
     muon_weight_decay: float = 0.1
     muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # bfloat16 as torch.optim.Muon
+    # where Newton-Schulz runs on a mesh (jaxmoe.flexshard): "owner" = whole matrices where they
+    # live (experts), every other matrix on one owner device (balanced by NS FLOPs);
+    # "replicated" = wherever XLA puts it (sharded matrices gathered). Same values; no mesh: same.
+    muon_placement: Literal["replicated", "owner"] = "owner"
+    # optimizer state (AdamW moments, Muon momentum) kept in pinned host memory, streamed to the
+    # device for the update (jaxmoe.step); the same values as on device
+    offload_optimizer: bool = False
     z_loss_coef: float = 0.0  # output-logit z-loss
     remat: Literal["none", "full", "save_dots", "offload"] = "none"
     # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer)

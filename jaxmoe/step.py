@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmoe.config import Config
+from jaxmoe.errors import UserError
 from jaxmoe.losses import update_expert_bias
 from jaxmoe.model.transformer import init_params
 from jaxmoe.objective import make_grad_fn, model_loss
@@ -50,6 +51,43 @@ def opt_init_fn(cfg: Config, tx, shardings=None):
                                  if k not in ("params", "buffers")}, out_shardings=out)
 
 
+# --------------------------------------------------------------------------------------------
+# Where the state lives: optimizer state in pinned host memory (train.offload_optimizer)
+# --------------------------------------------------------------------------------------------
+
+HOST_KIND = "pinned_host"
+
+
+def state_shardings(cfg: Config, abstract_state: dict, mesh_ctx=None):
+    """Shardings of a train state: the mesh's (``mesh_ctx.state_shardings``) or, without a mesh,
+    the first device; with ``train.offload_optimizer`` every ``opt_state`` leaf's sharding is the
+    same layout in ``pinned_host`` memory. None when neither a mesh nor offloading asks for any
+    (jit then places the state itself)."""
+    offload = cfg.train.offload_optimizer
+    if offload:
+        dev0 = jax.local_devices()[0]
+        if HOST_KIND not in {m.kind for m in dev0.addressable_memories()}:
+            raise UserError(f"train.offload_optimizer: {dev0.platform} device {dev0.id} has no "
+                            f"{HOST_KIND} memory; set train.offload_optimizer=false")
+    if mesh_ctx is not None:
+        sh = mesh_ctx.state_shardings(abstract_state)
+    elif offload:
+        dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        sh = jax.tree.map(lambda _: dev, abstract_state)
+    else:
+        return None
+    if offload:
+        sh = {**sh, "opt_state": jax.tree.map(lambda s: s.with_memory_kind(HOST_KIND), sh["opt_state"])}
+    return sh
+
+
+def _to_space(tree, space):
+    """Move every leaf of ``tree`` to memory ``space`` inside jit, keeping its sharding
+    (``jax.memory.Space``: jax >= 0.6; on XLA:CPU host and device memory are the same RAM, the
+    copies are annotations that the compiled HLO shows as memory space S(5))."""
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
 def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
     """Build the jit-compiled train step ``step(state, batch) -> (state, metrics)``.
 
@@ -61,6 +99,7 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
 
     grads_fn = make_grad_fn(cfg, dispatch=dispatch)
     use_bias = cfg.moe.use_expert_bias and cfg.model.n_moe_layers > 0
+    offload = cfg.train.offload_optimizer
 
     def step(state, batch):
         params, buffers = state["params"], state["buffers"]
@@ -68,7 +107,10 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
 
-        updates, new_opt = tx.update(grads, state["opt_state"], params)
+        opt_state = state["opt_state"]
+        if offload:  # streamed in for the update only (after the gradients: overlaps the backward)
+            opt_state = _to_space(opt_state, jax.memory.Space.Device)
+        updates, new_opt = tx.update(grads, opt_state, params)
         # every entry, not the norm: a huge but finite update's squared norm overflows fp32
         finite = finite & jax.tree.reduce(jnp.logical_and, jax.tree.map(lambda u: jnp.isfinite(u).all(), updates))
         new_params = optax.apply_updates(params, updates)
@@ -84,11 +126,13 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
         new_state = {
             "params": keep(new_params, params),
             "buffers": keep(new_buffers, buffers),
-            "opt_state": keep(new_opt, state["opt_state"]),
+            "opt_state": keep(new_opt, opt_state),
             "step": state["step"] + 1,
             "rng": state["rng"],
             "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1).astype(jnp.int32),
         }
+        if offload:
+            new_state["opt_state"] = _to_space(new_state["opt_state"], jax.memory.Space.Host)
         metrics["grad_norm"] = grad_norm
         metrics["skipped"] = ~finite
         metrics["counts"] = counts
@@ -137,4 +181,5 @@ def device_peak_flops(dtype: str) -> tuple[float, str]:
     return 2 * n**3 / dt, f"measured-matmul:{kind or dev.platform}"
 
 
-__all__ = ["device_peak_flops", "init_state", "opt_init_fn", "make_eval_step", "make_train_step"]
+__all__ = ["HOST_KIND", "device_peak_flops", "init_state", "make_eval_step", "make_train_step",
+           "opt_init_fn", "state_shardings"]

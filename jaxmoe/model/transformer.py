@@ -16,7 +16,8 @@ with a leading ``layers`` axis (``stack=(L,)``), run by ``jax.lax.scan`` over it
 (inside the scan body the merged layer holds one layer's slices), so compile time does not grow
 with depth. ``cfg.train.remat`` wraps one layer in
 ``jax.checkpoint``: ``none``; ``full`` (save nothing, recompute the layer); ``save_dots`` (keep
-matmul outputs); ``offload`` (the named residuals ``attn_out``/``ffn_out`` go to ``pinned_host``).
+matmul outputs); ``offload`` (the named residuals :data:`OFFLOADED` -- layer inputs, attention
+output, MoE block input and output -- go to ``pinned_host``; the rest is recomputed).
 
 ``aux`` is the routing record per MoE layer (stacked ``[Lm, ...]``): ``router`` (``logits``,
 ``scores [Lm, T, E]``, ``topk_idx``, ``topk_weights [Lm, T, k]``), ``counts [Lm, E]``,
@@ -65,10 +66,14 @@ class DecoderLayer(nnx.Module):
         raise NotImplementedError
 
     def __call__(self, x, cos, sin, *, forced_idx=None, dispatch=None):
-        """-> ``(x, attn_out, ffn_out, routing or None)``."""
+        """-> ``(x, attn_out, ffn_out, routing or None)``. The residuals a remat policy may keep
+        are named (:data:`OFFLOADED`): the layer input, the attention output, the FFN / MoE
+        block's input and output."""
+        x = checkpoint_name(x, "layer_in")
         a = checkpoint_name(self.attn(self.attn_norm(x), cos, sin), "attn_out")
         x = x + a
-        f, routing = self.ffn(self.ffn_norm(x), forced_idx=forced_idx, dispatch=dispatch)
+        h = checkpoint_name(self.ffn_norm(x), "ffn_in")
+        f, routing = self.ffn(h, forced_idx=forced_idx, dispatch=dispatch)
         f = checkpoint_name(f, "ffn_out")
         return x + f, a, f, routing
 
@@ -100,6 +105,14 @@ class MoELayer(DecoderLayer, MoEBlock):
         return MoEBlock.__call__(self, h, forced_idx=forced_idx, dispatch=dispatch)
 
 
+# remat="offload": the per-layer residuals kept for the backward, all in pinned host memory.
+# With everything else recomputed, a layer's backward needs exactly these: its input (the scan's
+# saved layer inputs, [L, B, S, D] -- what dominates once the rest is recomputed), the attention
+# output and the MoE block's input (so the attention is not re-run to rebuild the block's input),
+# and the block's output. (Names that the backward does not need are simply not saved.)
+OFFLOADED = ("layer_in", "attn_out", "ffn_in", "ffn_out")
+
+
 def _remat(fn: Callable, mode: str) -> Callable:
     """Wrap one layer's function in ``jax.checkpoint`` according to ``cfg.train.remat``."""
     if mode == "none":
@@ -111,7 +124,7 @@ def _remat(fn: Callable, mode: str) -> Callable:
     if mode == "offload":
         policy = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
-            names_which_can_be_offloaded=["attn_out", "ffn_out"],
+            names_which_can_be_offloaded=list(OFFLOADED),
             offload_src="device",
             offload_dst="pinned_host",
         )
