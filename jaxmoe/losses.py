@@ -5,6 +5,9 @@ Computed from the model's outputs -- the logits and the routing record ``aux`` t
 
 * ``cross_entropy``: summed over valid tokens / number of valid tokens (global count when the
   caller passes ``n_valid``), plus the output-logit z-loss ``logsumexp^2`` with the same reduction.
+  ``chunked_cross_entropy``: the same two terms from the final hidden states and the LM head,
+  ``chunk_tokens`` tokens at a time (forward and backward), so the ``[T, V]`` fp32 logits are
+  never held whole (``train.ce_chunk_tokens``).
 * Router losses per MoE layer, summed over layers (:func:`router_losses`): Switch load balance,
   DeepSeek-V3 sequence-wise balance, router z-loss.
 * ``update_expert_bias``: aux-loss-free sign rule, mean-centred.
@@ -31,6 +34,91 @@ def cross_entropy(logits, targets, mask, n_valid=None):
     ce = jnp.sum((lse - tgt) * mask) / n
     z = jnp.sum(lse * lse * mask) / n
     return ce, z
+
+
+def _ce_chunk_fwd(xc, head, tc):
+    """One chunk: ``logits [c, V]`` fp32 (as the LM head computes them), their logsumexp and the
+    target logits."""
+    logits = jnp.dot(xc, head, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+    return logits, lse, tgt
+
+
+@jax.custom_vjp
+def _chunked_ce(x, head, targets, mask, n):
+    return _chunked_ce_fwd(x, head, targets, mask, n)[0]
+
+
+def _chunked_ce_fwd(x, head, targets, mask, n):
+    """``x [N, c, D]``, ``targets``/``mask [N, c]``: a scan over the N chunks; keeps only the
+    per-token logsumexp ``[N, c]`` for the backward."""
+
+    def body(carry, xs):
+        xc, tc, mc = xs
+        _, lse, tgt = _ce_chunk_fwd(xc, head, tc)
+        ce, z = carry
+        return (ce + jnp.sum((lse - tgt) * mc), z + jnp.sum(lse * lse * mc)), lse
+
+    zero = jnp.zeros((), jnp.float32)
+    (ce, z), lse = jax.lax.scan(body, (zero, zero), (x, targets, mask))
+    return (ce / n, z / n), (x, head, targets, mask, n, lse)
+
+
+def _chunked_ce_bwd(res, g):
+    """Per chunk, recompute the logits: ``d/dlogits = (g_ce + 2 g_z lse) * p * m/n - g_ce *
+    onehot(target) * m/n``; ``dx`` per chunk, ``dhead`` accumulated in fp32."""
+    x, head, targets, mask, n, lse_all = res
+    g_ce, g_z = g
+    dt = x.dtype
+    f32 = jnp.float32
+    vocab = head.shape[1]
+
+    def body(dhead, xs):
+        xc, tc, mc, lse = xs
+        logits = jnp.dot(xc, head, preferred_element_type=f32)
+        p = jnp.exp(logits - lse[:, None])
+        coef = mc / n
+        is_tgt = jnp.arange(vocab, dtype=tc.dtype)[None, :] == tc[:, None]
+        dlogits = ((g_ce + 2.0 * g_z * lse) * coef)[:, None] * p - jnp.where(is_tgt, (g_ce * coef)[:, None], 0.0)
+        dlogits = dlogits.astype(dt)
+        dxc = jnp.dot(dlogits, head.T, preferred_element_type=f32).astype(dt)
+        dhead = dhead + jnp.dot(xc.T, dlogits, preferred_element_type=f32)
+        return dhead, dxc
+
+    dhead, dx = jax.lax.scan(body, jnp.zeros(head.shape, f32), (x, targets, mask, lse_all))
+    return dx, dhead.astype(head.dtype), None, None, None
+
+
+_chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
+
+
+def chunked_cross_entropy(hidden, head, targets, mask, n_valid=None, chunk_tokens: int = 1024):
+    """:func:`cross_entropy` of ``logits = hidden @ head`` without holding the ``[T, V]`` logits.
+
+    ``hidden [B, S, D]`` (the final-normed hidden states, compute dtype), ``head [D, V]`` (the LM
+    head in the compute dtype; the tied embedding transposed), ``targets``/``mask [B, S]``. The
+    ``T = B*S`` tokens are taken ``chunk_tokens`` at a time (the last chunk zero-padded, masked
+    out): the forward keeps only each token's logsumexp, the backward (a custom VJP) recomputes
+    each chunk's logits and returns ``d hidden`` per chunk and ``d head`` summed over chunks in
+    fp32. Peak logits memory ``chunk_tokens x V`` fp32 instead of ``T x V``. Returns ``(ce, z)``
+    with :func:`cross_entropy`'s reduction.
+    """
+    b, s, d = hidden.shape
+    t = b * s
+    c = max(1, min(int(chunk_tokens), t))
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+    x = hidden.reshape(t, d)
+    tg = targets.reshape(t).astype(jnp.int32)
+    m = mask.reshape(t).astype(jnp.float32)
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        tg = jnp.pad(tg, (0, pad))
+        m = jnp.pad(m, (0, pad))
+    n = mask.astype(jnp.float32).sum() if n_valid is None else jnp.asarray(n_valid, jnp.float32)
+    n = jax.lax.stop_gradient(jnp.maximum(n, 1.0))
+    return _chunked_ce(x.reshape(n_chunks, c, d), head, tg.reshape(n_chunks, c), m.reshape(n_chunks, c), n)
 
 
 def normalise_scores(scores):
