@@ -5,15 +5,17 @@ Computed from the model's outputs -- the logits and the routing record ``aux`` t
 
 * ``cross_entropy``: summed over valid tokens / number of valid tokens (global count when the
   caller passes ``n_valid``), plus the output-logit z-loss ``logsumexp^2`` with the same reduction.
-  ``chunked_cross_entropy``: the same two terms from the final hidden states and the LM head,
-  ``chunk_tokens`` tokens at a time (forward and backward), so the ``[T, V]`` fp32 logits are
-  never held whole (``train.ce_chunk_tokens``).
+  ``chunked_cross_entropy``: ``ce + z_coef * z`` from the final hidden states and the LM head,
+  ``chunk_tokens`` tokens at a time with the gradients computed in the same pass, so the
+  ``[T, V]`` fp32 logits are never held whole (``train.ce_chunk_tokens``).
 * Router losses per MoE layer, summed over layers (:func:`router_losses`): Switch load balance,
   DeepSeek-V3 sequence-wise balance, router z-loss.
 * ``update_expert_bias``: aux-loss-free sign rule, mean-centred.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,73 +38,83 @@ def cross_entropy(logits, targets, mask, n_valid=None):
     return ce, z
 
 
-def _ce_chunk_fwd(xc, head, tc):
-    """One chunk: ``logits [c, V]`` fp32 (as the LM head computes them), their logsumexp and the
-    target logits."""
-    logits = jnp.dot(xc, head, preferred_element_type=jnp.float32)
+def _ce_chunk(xc, head, tc, mc, n, z_coef, with_grads):
+    """One chunk of ``c`` tokens: its CE and z sums, and with ``with_grads`` the gradients of
+    ``(ce + z_coef * z)`` (both divided by ``n``) w.r.t. the chunk's hidden rows and the head."""
+    f32 = jnp.float32
+    logits = jnp.dot(xc, head, preferred_element_type=f32)  # [c, V], as the LM head computes them
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-    return logits, lse, tgt
+    sums = (jnp.sum((lse - tgt) * mc), jnp.sum(lse * lse * mc))
+    if not with_grads:
+        return sums, None
+    # d/dlogits of sum(m (lse - tgt))/n + z_coef sum(m lse^2)/n = (1 + 2 z_coef lse) p m/n - onehot m/n
+    coef = mc / n
+    p = jnp.exp(logits - lse[:, None])
+    is_tgt = jnp.arange(head.shape[1], dtype=tc.dtype)[None, :] == tc[:, None]
+    dlogits = ((1.0 + 2.0 * z_coef * lse) * coef)[:, None] * p - jnp.where(is_tgt, coef[:, None], 0.0)
+    dlogits = dlogits.astype(xc.dtype)
+    dxc = jnp.dot(dlogits, head.T, preferred_element_type=f32).astype(xc.dtype)
+    dhead = jnp.dot(xc.T, dlogits, preferred_element_type=f32)
+    return sums, (dxc, dhead)
 
 
-@jax.custom_vjp
-def _chunked_ce(x, head, targets, mask, n):
-    return _chunked_ce_fwd(x, head, targets, mask, n)[0]
-
-
-def _chunked_ce_fwd(x, head, targets, mask, n):
-    """``x [N, c, D]``, ``targets``/``mask [N, c]``: a scan over the N chunks; keeps only the
-    per-token logsumexp ``[N, c]`` for the backward."""
+def _ce_scan(x, head, targets, mask, n, z_coef, with_grads):
+    """Scan over the chunks of ``x [N, c, D]``: ``(ce, z)`` (divided by ``n``) and with
+    ``with_grads`` the gradients ``dx [N, c, D]`` (x.dtype) and ``dhead`` (fp32, summed)."""
+    zero = jnp.zeros((), jnp.float32)
 
     def body(carry, xs):
-        xc, tc, mc = xs
-        _, lse, tgt = _ce_chunk_fwd(xc, head, tc)
-        ce, z = carry
-        return (ce + jnp.sum((lse - tgt) * mc), z + jnp.sum(lse * lse * mc)), lse
+        (sums, dhead), (xc, tc, mc) = carry, xs
+        (ce, z), grads = _ce_chunk(xc, head, tc, mc, n, z_coef, with_grads)
+        sums = (sums[0] + ce, sums[1] + z)
+        if not with_grads:
+            return (sums, dhead), None
+        return (sums, dhead + grads[1]), grads[0]
 
-    zero = jnp.zeros((), jnp.float32)
-    (ce, z), lse = jax.lax.scan(body, (zero, zero), (x, targets, mask))
-    return (ce / n, z / n), (x, head, targets, mask, n, lse)
-
-
-def _chunked_ce_bwd(res, g):
-    """Per chunk, recompute the logits: ``d/dlogits = (g_ce + 2 g_z lse) * p * m/n - g_ce *
-    onehot(target) * m/n``; ``dx`` per chunk, ``dhead`` accumulated in fp32."""
-    x, head, targets, mask, n, lse_all = res
-    g_ce, g_z = g
-    dt = x.dtype
-    f32 = jnp.float32
-    vocab = head.shape[1]
-
-    def body(dhead, xs):
-        xc, tc, mc, lse = xs
-        logits = jnp.dot(xc, head, preferred_element_type=f32)
-        p = jnp.exp(logits - lse[:, None])
-        coef = mc / n
-        is_tgt = jnp.arange(vocab, dtype=tc.dtype)[None, :] == tc[:, None]
-        dlogits = ((g_ce + 2.0 * g_z * lse) * coef)[:, None] * p - jnp.where(is_tgt, (g_ce * coef)[:, None], 0.0)
-        dlogits = dlogits.astype(dt)
-        dxc = jnp.dot(dlogits, head.T, preferred_element_type=f32).astype(dt)
-        dhead = dhead + jnp.dot(xc.T, dlogits, preferred_element_type=f32)
-        return dhead, dxc
-
-    dhead, dx = jax.lax.scan(body, jnp.zeros(head.shape, f32), (x, targets, mask, lse_all))
-    return dx, dhead.astype(head.dtype), None, None, None
+    dhead0 = jnp.zeros(head.shape, jnp.float32) if with_grads else zero
+    ((ce, z), dhead), dx = jax.lax.scan(body, ((zero, zero), dhead0), (x, targets, mask))
+    return (ce / n, z / n), dx, dhead
 
 
-_chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_ce(x, head, targets, mask, n, z_coef):
+    (ce, z), _, _ = _ce_scan(x, head, targets, mask, n, z_coef, False)
+    return ce + z_coef * z, (ce, z)
 
 
-def chunked_cross_entropy(hidden, head, targets, mask, n_valid=None, chunk_tokens: int = 1024):
-    """:func:`cross_entropy` of ``logits = hidden @ head`` without holding the ``[T, V]`` logits.
+def _fused_ce_fwd(x, head, targets, mask, n, z_coef):
+    (ce, z), dx, dhead = _ce_scan(x, head, targets, mask, n, z_coef, True)
+    return (ce + z_coef * z, (ce, z)), (dx, dhead, jnp.zeros((), head.dtype))  # last: head's dtype
+
+
+def _fused_ce_bwd(z_coef, res, g):
+    dx, dhead, head_like = res
+    g_loss = g[0]  # the metrics (ce, z) carry no gradient
+    return ((dx.astype(jnp.float32) * g_loss).astype(dx.dtype), (dhead * g_loss).astype(head_like.dtype),
+            None, None, None)
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+
+
+def chunked_cross_entropy(hidden, head, targets, mask, n_valid=None, chunk_tokens: int = 1024,
+                          z_coef: float = 0.0):
+    """``ce + z_coef * z`` of ``logits = hidden @ head`` without holding the ``[T, V]`` logits.
 
     ``hidden [B, S, D]`` (the final-normed hidden states, compute dtype), ``head [D, V]`` (the LM
-    head in the compute dtype; the tied embedding transposed), ``targets``/``mask [B, S]``. The
-    ``T = B*S`` tokens are taken ``chunk_tokens`` at a time (the last chunk zero-padded, masked
-    out): the forward keeps only each token's logsumexp, the backward (a custom VJP) recomputes
-    each chunk's logits and returns ``d hidden`` per chunk and ``d head`` summed over chunks in
-    fp32. Peak logits memory ``chunk_tokens x V`` fp32 instead of ``T x V``. Returns ``(ce, z)``
-    with :func:`cross_entropy`'s reduction.
+    head in the compute dtype; the tied embedding transposed), ``targets``/``mask [B, S]``.
+    Returns ``(loss, ce, z)``: ``ce`` and ``z`` as :func:`cross_entropy` reduces them (metrics,
+    no gradient) and ``loss = ce + z_coef * z``, the one differentiable output.
+
+    The ``T = B*S`` tokens are taken ``chunk_tokens`` at a time (the last chunk zero-padded and
+    masked out). When differentiated, the forward pass computes each chunk's logits once and, with
+    the loss's weights known (``z_coef``), its gradients right away: ``d hidden`` per chunk and
+    ``d head`` summed in fp32; the backward only scales them by the incoming cotangent. So the
+    head's matmuls are the whole-logits path's three (no recompute), and the logits held at any
+    time are one chunk's, ``chunk_tokens x V`` fp32, instead of ``T x V`` (plus ``T x V`` of
+    their gradient). Held from the forward to the backward: ``d hidden`` (the size of ``hidden``)
+    and ``d head`` (fp32, the size of the head).
     """
     b, s, d = hidden.shape
     t = b * s
@@ -118,7 +130,9 @@ def chunked_cross_entropy(hidden, head, targets, mask, n_valid=None, chunk_token
         m = jnp.pad(m, (0, pad))
     n = mask.astype(jnp.float32).sum() if n_valid is None else jnp.asarray(n_valid, jnp.float32)
     n = jax.lax.stop_gradient(jnp.maximum(n, 1.0))
-    return _chunked_ce(x.reshape(n_chunks, c, d), head, tg.reshape(n_chunks, c), m.reshape(n_chunks, c), n)
+    loss, (ce, z) = _fused_ce(x.reshape(n_chunks, c, d), head, tg.reshape(n_chunks, c), m.reshape(n_chunks, c),
+                              n, float(z_coef))
+    return loss, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)
 
 
 def normalise_scores(scores):

@@ -25,10 +25,14 @@ def model_loss(cfg: Config, params, buffers, batch, *, n_valid=None, dispatch=No
     if cfg.train.ce_chunk_tokens > 0:  # CE fused with the LM head, chunked: no [T, V] logits held
         hidden, head, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
                                         dispatch=dispatch, return_hidden=True)
-        ce, z = chunked_cross_entropy(hidden, head, batch["targets"], batch["mask"], n_valid,
-                                      cfg.train.ce_chunk_tokens)
+        zc = cfg.train.z_loss_coef
+        tok_loss, ce, z = chunked_cross_entropy(hidden, head, batch["targets"], batch["mask"], n_valid,
+                                                cfg.train.ce_chunk_tokens, zc)
         b, s = batch["targets"].shape
-        total, metrics = weigh_terms(cfg, ce, z, router_losses(cfg, aux["router"], b, s))
+        # weigh_terms adds ce + zc * z: give it tok_loss - zc * z (ce in value, up to rounding) so
+        # that tok_loss carries the gradient (ce and z are metrics without one); exact ce metric
+        total, metrics = weigh_terms(cfg, tok_loss - zc * z, z, router_losses(cfg, aux["router"], b, s))
+        metrics["ce"] = ce
         return total, (metrics, aux)
     logits, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
                               dispatch=dispatch)

@@ -36,25 +36,28 @@ def _whole(hidden, head, targets, mask, n_valid=None):
 @pytest.mark.parametrize("chunk", [1, 5, 21, 64])
 def test_chunked_equals_whole_values_and_grads(chunk):
     hidden, head, targets, mask = _data()
+    zc = 0.3
 
-    def obj(fn):
-        def f(h, w):
-            ce, z = fn(h, w)
-            return ce + 0.3 * z, (ce, z)
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    def whole(h, w):
+        ce, z = _whole(h, w, targets, mask, 9.0)
+        return 2.5 * (ce + zc * z), (ce, z)
 
-    (ref, (ce0, z0)), g0 = obj(lambda h, w: _whole(h, w, targets, mask, 9.0))(hidden, head)
-    (tot, (ce1, z1)), g1 = obj(lambda h, w: chunked_cross_entropy(h, w, targets, mask, 9.0, chunk))(hidden, head)
+    def chunked(h, w):
+        loss, ce, z = chunked_cross_entropy(h, w, targets, mask, 9.0, chunk, zc)
+        return 2.5 * loss, (ce, z)  # an outer weight: the cotangent reaching the custom VJP is 2.5
+
+    (ref, (ce0, z0)), g0 = jax.jit(jax.value_and_grad(whole, argnums=(0, 1), has_aux=True))(hidden, head)
+    (tot, (ce1, z1)), g1 = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True))(hidden, head)
     for a, b in ((tot, ref), (ce1, ce0), (z1, z0), (g1[0], g0[0]), (g1[1], g0[1])):
         assert _rel(a, b) <= 1e-6
-    # n_valid defaults to the mask's count, as cross_entropy's
-    assert _rel(chunked_cross_entropy(hidden, head, targets, mask, chunk_tokens=chunk)[0],
+    # n_valid defaults to the mask's count, as cross_entropy's; without a gradient, values only
+    assert _rel(chunked_cross_entropy(hidden, head, targets, mask, chunk_tokens=chunk)[1],
                 _whole(hidden, head, targets, mask)[0]) <= 1e-6
 
 
 def test_chunked_bf16():
     hidden, head, targets, mask = _data(dtype=jnp.bfloat16)
-    ce, z = chunked_cross_entropy(hidden, head, targets, mask, chunk_tokens=8)
+    _, ce, z = chunked_cross_entropy(hidden, head, targets, mask, chunk_tokens=8)
     ce0, z0 = _whole(hidden, head, targets, mask)
     assert _rel(ce, ce0) < 1e-5 and _rel(z, z0) < 1e-5  # same bf16 inputs, fp32 logits both ways
     g = jax.grad(lambda h: chunked_cross_entropy(h, head, targets, mask, chunk_tokens=8)[0])(hidden)
