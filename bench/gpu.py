@@ -79,9 +79,7 @@ def variants(dry: bool) -> list[dict]:
             out.append({"name": f"{shape}/{path}", "kind": "throughput", "preset": preset,
                         "sets": {**_COMMON, **sets, "moe.compute_path": path,
                                  "train.attention_kernel": "dot_product"}})
-    eu = {**_COMMON, **_europa_slice(dry), "moe.compute_path": "ragged", "moe.lb_coef": 0}
-    eu.pop("model.first_k_dense", None)
-    eu["model.first_k_dense"] = 1
+    eu = {**_COMMON, **_europa_slice(dry), "moe.compute_path": "ragged"}  # 1 dense + 2 MoE layers
     lean = {"train.attention_kernel": "dot_product", "train.ce_chunk_tokens": 64 if dry else 1024}
     mem = [
         ("europa/explicit_attn+whole_logits", {"train.attention_kernel": "explicit", "train.ce_chunk_tokens": 0}),

@@ -26,13 +26,12 @@ def model_loss(cfg: Config, params, buffers, batch, *, n_valid=None, dispatch=No
         hidden, head, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
                                         dispatch=dispatch, return_hidden=True)
         zc = cfg.train.z_loss_coef
-        tok_loss, ce, z = chunked_cross_entropy(hidden, head, batch["targets"], batch["mask"], n_valid,
-                                                cfg.train.ce_chunk_tokens, zc)
+        tok_loss, _, z = chunked_cross_entropy(hidden, head, batch["targets"], batch["mask"], n_valid,
+                                               cfg.train.ce_chunk_tokens, zc)
         b, s = batch["targets"].shape
-        # weigh_terms adds ce + zc * z: give it tok_loss - zc * z (ce in value, up to rounding) so
-        # that tok_loss carries the gradient (ce and z are metrics without one); exact ce metric
+        # ce := tok_loss - zc * z (z without gradient): ce in value (up to rounding), carrying the
+        # gradient of ce + zc * z, which is how weigh_terms and make_grad_fn combine the two
         total, metrics = weigh_terms(cfg, tok_loss - zc * z, z, router_losses(cfg, aux["router"], b, s))
-        metrics["ce"] = ce
         return total, (metrics, aux)
     logits, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
                               dispatch=dispatch)
