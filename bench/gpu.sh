@@ -11,6 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 json="bench/gpu_results.json"
-for a in "$@"; do [[ "$a" == "--dry-run" ]] && json="${TMPDIR:-/tmp}/jaxmoe_gpu_dry_run.json"; done
+dry=0
+for a in "$@"; do [[ "$a" == "--dry-run" ]] && dry=1 && json="${TMPDIR:-/tmp}/jaxmoe_gpu_dry_run.json"; done
+if [[ $dry == 1 ]]; then  # CPU: no budget (a loaded test machine must not skip variants)
+  exec python bench/gpu.py --json "$json" --budget-s 1e9 "$@"
+fi
 # 470 s hard stop: the driver's own budget (450 s) skips variants before this is reached
 exec timeout 470 python bench/gpu.py --json "$json" "$@"
