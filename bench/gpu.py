@@ -214,6 +214,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         args.xla_profile = "none"  # GPU flags: XLA:CPU would reject them
+    else:
         from jaxmoe.distributed import apply_xla_flags_profile  # no jax import: flags before the backend
 
         added = apply_xla_flags_profile(args.xla_profile)
