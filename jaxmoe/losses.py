@@ -5,6 +5,9 @@ Computed from the model's outputs -- the logits and the routing record ``aux`` t
 
 * ``cross_entropy``: summed over valid tokens / number of valid tokens (global count when the
   caller passes ``n_valid``), plus the output-logit z-loss ``logsumexp^2`` with the same reduction.
+  ``chunked_cross_entropy``: ``ce + z_coef * z`` from the final hidden states and the LM head,
+  ``chunk_tokens`` tokens at a time with the gradients computed in the same pass, so the
+  ``[T, V]`` fp32 logits are never held whole (``train.ce_chunk_tokens``).
 * Router losses per MoE layer, summed over layers (:func:`router_losses`): Switch load balance,
   DeepSeek-V3 sequence-wise balance, router z-loss. With ``moe.lb_scope = "pooled"`` the load
   balance is instead transformers' Mixtral/Qwen3 form (:func:`pooled_load_balance_loss`): all MoE
@@ -13,6 +16,8 @@ Computed from the model's outputs -- the logits and the routing record ``aux`` t
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +38,103 @@ def cross_entropy(logits, targets, mask, n_valid=None):
     ce = jnp.sum((lse - tgt) * mask) / n
     z = jnp.sum(lse * lse * mask) / n
     return ce, z
+
+
+def _ce_chunk(xc, head, tc, mc, n, z_coef, with_grads):
+    """One chunk of ``c`` tokens: its CE and z sums, and with ``with_grads`` the gradients of
+    ``(ce + z_coef * z)`` (both divided by ``n``) w.r.t. the chunk's hidden rows and the head."""
+    f32 = jnp.float32
+    logits = jnp.dot(xc, head, preferred_element_type=f32)  # [c, V], as the LM head computes them
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+    sums = (jnp.sum((lse - tgt) * mc), jnp.sum(lse * lse * mc))
+    if not with_grads:
+        return sums, None
+    # d/dlogits of sum(m (lse - tgt))/n + z_coef sum(m lse^2)/n = (1 + 2 z_coef lse) p m/n - onehot m/n
+    coef = mc / n
+    p = jnp.exp(logits - lse[:, None])
+    is_tgt = jnp.arange(head.shape[1], dtype=tc.dtype)[None, :] == tc[:, None]
+    dlogits = ((1.0 + 2.0 * z_coef * lse) * coef)[:, None] * p - jnp.where(is_tgt, coef[:, None], 0.0)
+    dlogits = dlogits.astype(xc.dtype)
+    dxc = jnp.dot(dlogits, head.T, preferred_element_type=f32).astype(xc.dtype)
+    dhead = jnp.dot(xc.T, dlogits, preferred_element_type=f32)
+    return sums, (dxc, dhead)
+
+
+def _ce_scan(x, head, targets, mask, n, z_coef, with_grads):
+    """Scan over the chunks of ``x [N, c, D]``: ``(ce, z)`` (divided by ``n``) and with
+    ``with_grads`` the gradients ``dx [N, c, D]`` (x.dtype) and ``dhead`` (fp32, summed)."""
+    zero = jnp.zeros((), jnp.float32)
+
+    def body(carry, xs):
+        (sums, dhead), (xc, tc, mc) = carry, xs
+        (ce, z), grads = _ce_chunk(xc, head, tc, mc, n, z_coef, with_grads)
+        sums = (sums[0] + ce, sums[1] + z)
+        if not with_grads:
+            return (sums, dhead), None
+        return (sums, dhead + grads[1]), grads[0]
+
+    dhead0 = jnp.zeros(head.shape, jnp.float32) if with_grads else zero
+    ((ce, z), dhead), dx = jax.lax.scan(body, ((zero, zero), dhead0), (x, targets, mask))
+    return (ce / n, z / n), dx, dhead
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_ce(x, head, targets, mask, n, z_coef):
+    (ce, z), _, _ = _ce_scan(x, head, targets, mask, n, z_coef, False)
+    return ce + z_coef * z, (ce, z)
+
+
+def _fused_ce_fwd(x, head, targets, mask, n, z_coef):
+    (ce, z), dx, dhead = _ce_scan(x, head, targets, mask, n, z_coef, True)
+    return (ce + z_coef * z, (ce, z)), (dx, dhead, jnp.zeros((), head.dtype))  # last: head's dtype
+
+
+def _fused_ce_bwd(z_coef, res, g):
+    dx, dhead, head_like = res
+    g_loss = g[0]  # the metrics (ce, z) carry no gradient
+    return ((dx.astype(jnp.float32) * g_loss).astype(dx.dtype), (dhead * g_loss).astype(head_like.dtype),
+            None, None, None)
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+
+
+def chunked_cross_entropy(hidden, head, targets, mask, n_valid=None, chunk_tokens: int = 1024,
+                          z_coef: float = 0.0):
+    """``ce + z_coef * z`` of ``logits = hidden @ head`` without holding the ``[T, V]`` logits.
+
+    ``hidden [B, S, D]`` (the final-normed hidden states, compute dtype), ``head [D, V]`` (the LM
+    head in the compute dtype; the tied embedding transposed), ``targets``/``mask [B, S]``.
+    Returns ``(loss, ce, z)``: ``ce`` and ``z`` as :func:`cross_entropy` reduces them (metrics,
+    no gradient) and ``loss = ce + z_coef * z``, the one differentiable output.
+
+    The ``T = B*S`` tokens are taken ``chunk_tokens`` at a time (the last chunk zero-padded and
+    masked out). When differentiated, the forward pass computes each chunk's logits once and, with
+    the loss's weights known (``z_coef``), its gradients right away: ``d hidden`` per chunk and
+    ``d head`` summed in fp32; the backward only scales them by the incoming cotangent. So the
+    head's matmuls are the whole-logits path's three (no recompute), and the logits held at any
+    time are one chunk's, ``chunk_tokens x V`` fp32, instead of ``T x V`` (plus ``T x V`` of
+    their gradient). Held from the forward to the backward: ``d hidden`` (the size of ``hidden``)
+    and ``d head`` (fp32, the size of the head).
+    """
+    b, s, d = hidden.shape
+    t = b * s
+    c = max(1, min(int(chunk_tokens), t))
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+    x = hidden.reshape(t, d)
+    tg = targets.reshape(t).astype(jnp.int32)
+    m = mask.reshape(t).astype(jnp.float32)
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        tg = jnp.pad(tg, (0, pad))
+        m = jnp.pad(m, (0, pad))
+    n = mask.astype(jnp.float32).sum() if n_valid is None else jnp.asarray(n_valid, jnp.float32)
+    n = jax.lax.stop_gradient(jnp.maximum(n, 1.0))
+    loss, (ce, z) = _fused_ce(x.reshape(n_chunks, c, d), head, tg.reshape(n_chunks, c), m.reshape(n_chunks, c),
+                              n, float(z_coef))
+    return loss, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)
 
 
 def normalise_scores(scores):

@@ -16,12 +16,23 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import Config
-from jaxmoe.losses import compute_loss
+from jaxmoe.losses import chunked_cross_entropy, compute_loss, router_losses, weigh_terms
 from jaxmoe.model.transformer import apply_model
 
 
 def model_loss(cfg: Config, params, buffers, batch, *, n_valid=None, dispatch=None, forced_idx=None):
     """``apply_model`` + ``compute_loss``: returns ``(total, (metrics, aux))`` for ``jax.grad``."""
+    if cfg.train.ce_chunk_tokens > 0:  # CE fused with the LM head, chunked: no [T, V] logits held
+        hidden, head, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
+                                        dispatch=dispatch, return_hidden=True)
+        zc = cfg.train.z_loss_coef
+        tok_loss, _, z = chunked_cross_entropy(hidden, head, batch["targets"], batch["mask"], n_valid,
+                                               cfg.train.ce_chunk_tokens, zc)
+        b, s = batch["targets"].shape
+        # ce := tok_loss - zc * z (z without gradient): ce in value (up to rounding), carrying the
+        # gradient of ce + zc * z, which is how weigh_terms and make_grad_fn combine the two
+        total, metrics = weigh_terms(cfg, tok_loss - zc * z, z, router_losses(cfg, aux["router"], b, s))
+        return total, (metrics, aux)
     logits, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
                               dispatch=dispatch)
     total, metrics = compute_loss(cfg, logits, aux, batch, n_valid)

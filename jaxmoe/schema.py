@@ -172,6 +172,12 @@ class TrainConfig:
     offload_optimizer: bool = False
     z_loss_coef: float = 0.0  # output-logit z-loss
     remat: Literal["none", "full", "save_dots", "offload"] = "none"
+    # attention score kernel (jaxmoe.model.attention.attend): dot_product = jax.nn.dot_product_attention
+    # (cuDNN flash on GPU), explicit = scores by hand; auto = dot_product on GPU, explicit elsewhere
+    attention_kernel: Literal["auto", "dot_product", "explicit"] = "auto"
+    # cross-entropy over this many tokens at a time, fused with the LM head, so the [T, V] fp32
+    # logits are never held whole (jaxmoe.losses.chunked_cross_entropy); 0 = off
+    ce_chunk_tokens: int = 0
     # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer)
     data: str = "default"
     tokenizer: str = ""  # path to a HuggingFace tokenizers tokenizer.json for text data

@@ -3,6 +3,20 @@
 Both are NNX modules ``attn(x, cos, sin) -> [B, S, D]`` whose weights are the ``attn/`` sub-tree of
 docs/LAYOUT.md. Scores and softmax are computed in fp32; the value matmul runs in the compute
 dtype with fp32 accumulation.
+
+The score/softmax/value kernel is a named choice, ``train.attention_kernel`` (:func:`attend`):
+
+* ``dot_product``: ``jax.nn.dot_product_attention`` -- cuDNN flash attention on GPU (bf16/fp16;
+  the ``[B, H, S, S]`` scores are never stored), XLA's implementation where cuDNN does not apply
+  (CPU, fp32, unsupported head dims: decided at trace time, falling back to XLA).
+* ``explicit``: the scores materialised by hand (:func:`causal_softmax_attend`). On XLA:CPU the
+  XLA implementation of ``dot_product_attention`` materialises the same scores too and its
+  compiled fwd+bwd moved ~20% more bytes for the same FLOPs (docs/MEASUREMENTS.md, "perf").
+* ``auto`` (default): ``dot_product`` on GPU, ``explicit`` elsewhere.
+
+MLA's value head dim differs from its query/key head dim; ``jax.nn.dot_product_attention`` needs
+equal head dims (jax 0.10-0.12), so the narrower side is zero-padded (zeros in v give zero output
+columns, sliced off; zeros in q/k add nothing to the scores; the scale is passed explicitly).
 """
 
 from __future__ import annotations
@@ -14,6 +28,50 @@ from flax import nnx
 from jaxmoe.config import ModelConfig
 from jaxmoe.model.layers import apply_rope, yarn_softmax_mscale
 from jaxmoe.model.params import Linear, RMSNorm, builds, normal, ones, stack_axes
+
+
+KERNELS = ("auto", "dot_product", "explicit")
+
+
+def _use_cudnn(q, v) -> bool:
+    """cuDNN flash attention applies: a GPU backend and a 16-bit compute dtype (fp32 is not
+    supported by cuDNN's fused attention; the shape limits are checked by jax at trace time)."""
+    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+
+
+def _dot_product(q, k, v, scale):
+    """``jax.nn.dot_product_attention`` on ``q [B,S,H,d]``, ``k [B,S,KV,d]``, ``v [B,S,KV,dv]``."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:  # MLA: pad v's head dim up to q/k's
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, d - dv)])
+    elif dv > d:
+        pad = [(0, 0)] * 3 + [(0, dv - d)]
+        q, k = jnp.pad(q, pad), jnp.pad(k, pad)
+    kw = dict(scale=scale, is_causal=True)
+    out = None
+    if _use_cudnn(q, v):
+        try:
+            out = jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
+        except (NotImplementedError, RuntimeError, ValueError):  # shape/version cuDNN rejects
+            out = None
+    if out is None:
+        out = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+    return out[..., :dv].astype(q.dtype)
+
+
+def attend(q, k, v, scale, kernel: str = "auto"):
+    """Causal attention: ``q [B,S,H,d]``, ``k [B,S,KV,d]``, ``v [B,S,KV,dv]`` (``H`` a multiple
+    of ``KV``) -> ``[B,S,H,dv]`` in ``q.dtype``, by ``kernel`` (module doc)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown train.attention_kernel {kernel!r}; use one of {', '.join(KERNELS)}")
+    if kernel == "auto":
+        kernel = "dot_product" if jax.default_backend() == "gpu" else "explicit"
+    if kernel == "dot_product":
+        return _dot_product(q, k, v, scale)
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    out = causal_softmax_attend(q.reshape(b, s, kv, h // kv, d), k, v, scale)
+    return out.reshape(b, s, h, v.shape[-1])
 
 
 def causal_softmax_attend(q, k, v, scale):
@@ -33,9 +91,9 @@ class GQAttention(nnx.Module):
     ``hd^-0.5``."""
 
     @builds
-    def __init__(self, m: ModelConfig, *, stack: tuple = (), rngs: nnx.Rngs):
+    def __init__(self, m: ModelConfig, *, stack: tuple = (), kernel: str = "auto", rngs: nnx.Rngs):
         d, h, kv, hd, std = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.init_std
-        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
+        self.n_heads, self.n_kv_heads, self.head_dim, self.kernel = h, kv, hd, kernel
         self.rope_layout = m.rope_layout
         ax = lambda *a: stack_axes(stack, a)  # noqa: E731
         self.q_proj = Linear.declare(stack + (d, h * hd), ax("embed", "heads"), normal(std))
@@ -57,7 +115,7 @@ class GQAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin, self.rope_layout)
         k = apply_rope(k, cos, sin, self.rope_layout)
-        out = causal_softmax_attend(q.reshape(b, s, kv, h // kv, hd), k, v, hd**-0.5)
+        out = attend(q, k, v, hd**-0.5, self.kernel)
         return self.o_proj(out.reshape(b, s, h * hd))
 
 
@@ -75,9 +133,9 @@ class MLAttention(nnx.Module):
     """
 
     @builds
-    def __init__(self, m: ModelConfig, *, stack: tuple = (), rngs: nnx.Rngs):
+    def __init__(self, m: ModelConfig, *, stack: tuple = (), kernel: str = "auto", rngs: nnx.Rngs):
         d, h, std = m.d_model, m.n_heads, m.init_std
-        self.n_heads, self.rope_layout = h, m.rope_layout
+        self.n_heads, self.rope_layout, self.kernel = h, m.rope_layout, kernel
         self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = m.kv_lora_rank, m.q_lora_rank
         qh = self.nope + self.rope
@@ -116,15 +174,18 @@ class MLAttention(nnx.Module):
         k_rope = apply_rope(k_rope, cos, sin, self.rope_layout)
         q_full = jnp.concatenate([q_nope, q_rope], axis=-1)
         k_full = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, rope))], axis=-1)
-        out = causal_softmax_attend(q_full[:, :, :, None, :], k_full, v, self.scale)
+        out = attend(q_full, k_full, v, self.scale, self.kernel)
         return self.o_proj(out.reshape(b, s, h * vd))
 
 
 ATTENTION = {"gqa": GQAttention, "mla": MLAttention}  # model.attention -> module
 
 
-def make_attention(m: ModelConfig, *, stack: tuple = (), rngs: nnx.Rngs) -> nnx.Module:
-    return ATTENTION[m.attention](m, stack=stack, rngs=rngs)
+def make_attention(m: ModelConfig, *, stack: tuple = (), kernel: str = "auto", rngs: nnx.Rngs) -> nnx.Module:
+    """The attention module of ``m`` (``model.attention``) with score kernel ``kernel``
+    (``train.attention_kernel``)."""
+    return ATTENTION[m.attention](m, stack=stack, kernel=kernel, rngs=rngs)
 
 
-__all__ = ["ATTENTION", "GQAttention", "MLAttention", "causal_softmax_attend", "make_attention"]
+__all__ = ["ATTENTION", "GQAttention", "KERNELS", "MLAttention", "attend", "causal_softmax_attend",
+           "make_attention"]

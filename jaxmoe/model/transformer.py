@@ -59,7 +59,7 @@ class DecoderLayer(nnx.Module):
         m = cfg.model
         norm = stack_axes(stack, ("norm",))
         self.attn_norm = RMSNorm.declare(stack + (m.d_model,), norm, ones(), eps=m.rms_norm_eps)
-        self.attn = make_attention(m, stack=stack, rngs=rngs)
+        self.attn = make_attention(m, stack=stack, kernel=cfg.train.attention_kernel, rngs=rngs)
         self.ffn_norm = RMSNorm.declare(stack + (m.d_model,), norm, ones(), eps=m.rms_norm_eps)
 
     def ffn(self, h, *, forced_idx=None, dispatch=None):
@@ -173,8 +173,10 @@ class Transformer(nnx.Module):
                                           normal(m.init_std), group="head")
 
     def __call__(self, tokens: jax.Array, *, forced_idx: jax.Array | None = None,
-                 return_probes: bool = False, dispatch: Callable | None = None):
-        """``tokens [B, S]`` int32 -> ``(logits [B, S, V] fp32, aux)``.
+                 return_probes: bool = False, dispatch: Callable | None = None,
+                 return_hidden: bool = False):
+        """``tokens [B, S]`` int32 -> ``(logits [B, S, V] fp32, aux)``; with ``return_hidden`` the
+        final-normed hidden states ``[B, S, D]`` in place of the logits (see :meth:`head`).
 
         ``forced_idx [Lm, B*S, k]`` replays a routing (parity); ``dispatch`` replaces
         :func:`jaxmoe.model.experts.expert_ffn` (expert-parallel dispatchers).
@@ -211,7 +213,9 @@ class Transformer(nnx.Module):
                 "dropped": jnp.zeros((0,), jnp.int32),
             }
         x = self.final_norm(x)
-        if m.tie_embeddings:
+        if return_hidden:  # the loss applies the LM head itself (chunked cross-entropy)
+            logits = x
+        elif m.tie_embeddings:
             logits = self.embed.attend(x)
         else:
             head = self.lm_head.get_value()
@@ -230,6 +234,13 @@ class Transformer(nnx.Module):
             probes["logits"] = logits
             aux["probes"] = probes
         return logits, aux
+
+    def head(self) -> jax.Array:
+        """The LM head as ``[D, V]`` in the compute dtype (the tied embedding transposed):
+        ``logits = hidden @ head`` with fp32 accumulation."""
+        dtype = DTYPES[self.cfg.train.dtype]
+        w = self.embed.get_value().T if self.cfg.model.tie_embeddings else self.lm_head.get_value()
+        return w.astype(dtype)
 
     def pure(self) -> tuple[dict, dict]:
         """``(params, buffers)`` as plain nested dicts of arrays (the canonical layout)."""
@@ -324,10 +335,13 @@ def abstract_params(cfg: Config) -> tuple[dict, dict]:
 
 def apply_model(cfg: Config, params: dict, buffers: dict, tokens: jax.Array, *,
                 forced_idx: jax.Array | None = None, return_probes: bool = False,
-                dispatch: Callable | None = None):
-    """Forward pass on split state: ``Transformer.__call__`` of the merged model (see there)."""
+                dispatch: Callable | None = None, return_hidden: bool = False):
+    """Forward pass on split state: ``Transformer.__call__`` of the merged model (see there).
+    With ``return_hidden``: ``(hidden [B, S, D], head [D, V], aux)`` (chunked cross-entropy)."""
     model = merge_model(cfg, params, buffers)
-    return model(tokens, forced_idx=forced_idx, return_probes=return_probes, dispatch=dispatch)
+    out = model(tokens, forced_idx=forced_idx, return_probes=return_probes, dispatch=dispatch,
+                return_hidden=return_hidden)
+    return (out[0], model.head(), out[1]) if return_hidden else out
 
 
 def LAYER_STACKS(cfg: Config) -> list[tuple[str, int, int]]:  # noqa: N802 (a table, by config)

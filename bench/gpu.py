@@ -1,0 +1,271 @@
+"""The GPU benchmark behind ``bench/gpu.sh`` (one lent H200, <= 8 minutes): throughput and memory.
+
+    bench/gpu.sh [--dry-run] [--json PATH] [--budget-s 450] [--xla-profile gpu_overlap|none]
+
+Throughput (tokens/s, MFU against a measured bf16 matmul peak, peak device memory), bf16 compute,
+flash attention (``train.attention_kernel=dot_product``: cuDNN on GPU), the ``gpu_overlap`` XLA
+flag profile, on the two shapes of ``bench/train_step.py`` scaled to d_model 2048 -- ``coarse``
+(8 experts top-2, expert FFN 4096, Mixtral-style) and ``fine`` (64 experts top-8, expert FFN 1024,
+QK-norm, Qwen3-MoE-style) -- each with the ``ragged`` and the ``blocked`` expert path.
+
+Memory (issue 13): peak device memory of a europa-shaped slice (full width d_model 7168, MLA with
+64 heads, vocab 163840, 1 dense + 2 MoE layers, 384 experts of width 1536 cut to 16, 4096 tokens)
+with the explicit attention scores and whole logits, then with flash attention, with chunked CE,
+and with each offload (``train.remat=offload``, ``train.offload_optimizer``); a variant whose
+config field this tree does not know is reported as skipped, not failed.
+
+Each variant runs in its own process (device memory peaks are per process), in the order above;
+variants left when ``--budget-s`` is spent are reported as skipped. ``--dry-run`` runs the same
+variants on CPU with tiny shapes, in-process, in seconds (tests/test_bench_gpu.py runs it so
+that this script cannot rot). No figure here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# -- variants ----------------------------------------------------------------------------------
+
+_COMMON = {"moe.lb_coef": 0, "moe.router_z_coef": 0, "moe.seq_aux_coef": 0, "moe.norm_topk_prob": "true",
+           "train.dtype": "bfloat16", "train.optimizer": "adamw", "train.grad_clip": 1.0,
+           "train.z_loss_coef": 0, "train.steps": 1000, "train.warmup_steps": 10, "model.first_k_dense": 0}
+
+
+def _throughput_shapes(dry: bool) -> dict:
+    if dry:
+        base = {"model.vocab_size": 256, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
+                "model.n_kv_heads": 2, "model.head_dim": 16, "train.batch_size": 2, "train.seq_len": 32,
+                "model.max_seq_len": 32}
+        return {"coarse": dict(base, **{"moe.n_experts": 8, "moe.top_k": 2, "moe.expert_ffn_dim": 128,
+                                        "model.qk_norm": "false"}),
+                "fine": dict(base, **{"moe.n_experts": 16, "moe.top_k": 4, "moe.expert_ffn_dim": 32,
+                                      "model.qk_norm": "true"})}
+    base = {"model.vocab_size": 32768, "model.d_model": 2048, "model.n_layers": 4, "model.n_heads": 16,
+            "model.n_kv_heads": 8, "model.head_dim": 128, "train.batch_size": 8, "train.seq_len": 2048,
+            "model.max_seq_len": 2048}
+    return {"coarse": dict(base, **{"moe.n_experts": 8, "moe.top_k": 2, "moe.expert_ffn_dim": 4096,
+                                    "model.qk_norm": "false"}),
+            "fine": dict(base, **{"moe.n_experts": 64, "moe.top_k": 8, "moe.expert_ffn_dim": 1024,
+                                  "model.qk_norm": "true"})}
+
+
+def _europa_slice(dry: bool) -> dict:
+    if dry:
+        return {"model.vocab_size": 512, "model.d_model": 64, "model.n_layers": 3, "model.first_k_dense": 1,
+                "model.dense_ffn_dim": 128, "model.n_heads": 4, "model.q_lora_rank": 32,
+                "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 16, "model.qk_rope_head_dim": 8,
+                "model.v_head_dim": 16, "moe.n_experts": 8, "moe.expert_ffn_dim": 32, "moe.top_k": 2,
+                "train.batch_size": 1, "train.seq_len": 64, "model.max_seq_len": 64, "train.optimizer": "adamw",
+                "mesh.expert": 1, "mesh.replica": 1, "mesh.fsdp": 1}
+    return {"model.n_layers": 3, "model.first_k_dense": 1, "moe.n_experts": 16, "train.batch_size": 1,
+            "train.seq_len": 4096, "model.max_seq_len": 4096, "train.optimizer": "adamw",
+            "mesh.expert": 1, "mesh.replica": 1, "mesh.fsdp": 1}
+
+
+def variants(dry: bool) -> list[dict]:
+    """Every variant: name, preset, overrides, kind ("throughput" / "memory")."""
+    out = []
+    for shape, sets in _throughput_shapes(dry).items():
+        preset = "mixtral-tiny" if shape == "coarse" else "tiny"
+        for path in ("ragged", "blocked"):
+            out.append({"name": f"{shape}/{path}", "kind": "throughput", "preset": preset,
+                        "sets": {**_COMMON, **sets, "moe.compute_path": path,
+                                 "train.attention_kernel": "dot_product"}})
+    eu = {**_COMMON, **_europa_slice(dry), "moe.compute_path": "ragged"}  # 1 dense + 2 MoE layers
+    lean = {"train.attention_kernel": "dot_product", "train.ce_chunk_tokens": 64 if dry else 1024}
+    mem = [
+        ("europa/explicit_attn+whole_logits", {"train.attention_kernel": "explicit", "train.ce_chunk_tokens": 0}),
+        ("europa/flash_attn", {"train.attention_kernel": "dot_product", "train.ce_chunk_tokens": 0}),
+        ("europa/flash_attn+chunked_ce", lean),
+        ("europa/lean+remat_offload", {**lean, "train.remat": "offload"}),
+        ("europa/lean+offload_optimizer", {**lean, "train.offload_optimizer": "true"}),
+        ("europa/lean+both_offloads", {**lean, "train.remat": "offload", "train.offload_optimizer": "true"}),
+    ]
+    preset = "europa-952b"
+    for name, sets in mem:
+        out.append({"name": name, "kind": "memory", "preset": preset, "sets": {**eu, **sets}})
+    return out
+
+
+# -- one variant -------------------------------------------------------------------------------
+
+
+def matmul_peak(n: int, dtype: str = "bfloat16", reps: int = 10) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), getattr(jnp, dtype))
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def _peak_bytes() -> int | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
+    """Build, compile and time one variant; returns its record (or ``skipped`` with the reason)."""
+    import jax
+    import numpy as np
+
+    from jaxmoe.config import load_config
+    from jaxmoe.counting import flops_per_token
+    from jaxmoe.errors import ConfigError
+    from jaxmoe.model.transformer import declared_groups, init_params
+    from jaxmoe.optim import build_optimizer
+    from jaxmoe.step import init_state, make_train_step
+
+    rec = {"name": v["name"], "kind": v["kind"]}
+    try:
+        cfg = load_config(v["preset"], overrides=[f"{k}={x}" for k, x in v["sets"].items()])
+    except ConfigError as e:  # e.g. train.offload_optimizer before that field exists
+        rec["skipped"] = f"config: {str(e).splitlines()[0][:200]}"
+        return rec
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, cfg.model.vocab_size, (b, s + 1)).astype(np.int32)
+    batch = {"inputs": jax.device_put(toks[:, :-1]), "targets": jax.device_put(toks[:, 1:]),
+             "mask": jax.device_put(np.ones((b, s), np.float32))}
+    params, buffers = init_params(cfg, 0)
+    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    state = init_state(cfg, tx, params, buffers)
+    del params, buffers
+    t = time.perf_counter()
+    compiled = make_train_step(cfg, tx).lower(state, batch).compile()
+    rec["compile_s"] = round(time.perf_counter() - t, 2)
+    try:
+        ma = compiled.memory_analysis()
+        rec["memory_analysis_bytes"] = {k: int(getattr(ma, k + "_size_in_bytes")) for k in
+                                        ("argument", "output", "temp", "generated_code")}
+    except Exception as e:  # noqa: BLE001 - not every backend reports it
+        rec["memory_analysis_bytes"] = f"unavailable: {type(e).__name__}"
+    state, m = compiled(state, batch)
+    loss = float(m["loss"])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = compiled(state, batch)
+        m["loss"].block_until_ready()
+        times.append(time.perf_counter() - t)
+    dt = statistics.median(times)
+    rec.update(loss_first=loss, loss_last=float(m["loss"]), step_s=dt, step_s_range=[min(times), max(times)],
+               tokens_per_s=b * s / dt, flops_per_token=flops_per_token(cfg),
+               peak_device_bytes=_peak_bytes())
+    rec["mfu"] = rec["tokens_per_s"] * rec["flops_per_token"] / peak_flops
+    return rec
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+def _child(args) -> int:
+    v = json.loads(args.variant)
+    rec = run_variant(v, args.steps, args.peak)
+    print("RESULT " + json.dumps(rec))
+    return 0
+
+
+def _in_subprocess(v: dict, steps: int, peak: float, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--variant", json.dumps(v), "--steps", str(steps),
+           "--peak", str(peak)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"name": v["name"], "kind": v["kind"], "skipped": f"timed out after {timeout:.0f}s"}
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    return {"name": v["name"], "kind": v["kind"], "error": f"exit {out.returncode}: {tail}"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, in-process, seconds")
+    p.add_argument("--json", default="", help="also write the results to this file")
+    p.add_argument("--budget-s", type=float, default=450.0, help="skip variants once this is spent")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per variant (default 10; 2 dry)")
+    p.add_argument("--only", default="", help="comma-separated name prefixes to run")
+    p.add_argument("--xla-profile", default="gpu_overlap", choices=("gpu_overlap", "none"))
+    p.add_argument("--variant", default="", help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    if args.variant:
+        return _child(args)
+    t_start = time.perf_counter()
+    if args.dry_run:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        args.xla_profile = "none"  # GPU flags: XLA:CPU would reject them
+    else:
+        from jaxmoe.distributed import apply_xla_flags_profile  # no jax import: flags before the backend
+
+        added = apply_xla_flags_profile(args.xla_profile)
+        print(f"XLA flags profile {args.xla_profile}: {len(added)} flags added", file=sys.stderr)
+    import jax
+
+    backend = jax.default_backend()
+    steps = args.steps or (2 if args.dry_run else 10)
+    peak = matmul_peak(256 if args.dry_run else 8192, "bfloat16", reps=3 if args.dry_run else 10)
+    header = {"backend": backend, "device": str(jax.devices()[0].device_kind), "dry_run": args.dry_run,
+              "xla_profile": args.xla_profile, "bf16_matmul_peak_tflops": peak / 1e12,
+              "jax": jax.__version__}
+    print(f"{header['device']} ({backend}), bf16 matmul peak {peak / 1e12:.1f} TFLOP/s, "
+          f"XLA profile {args.xla_profile}", flush=True)
+    if backend != "gpu" and not args.dry_run:
+        print("warning: not a GPU backend; the figures are not GPU figures (use --dry-run on CPU)",
+              file=sys.stderr)
+    results = []
+    todo = [v for v in variants(args.dry_run)
+            if not args.only or any(v["name"].startswith(o) for o in args.only.split(","))]
+    for v in todo:
+        left = args.budget_s - (time.perf_counter() - t_start)
+        if left < (1 if args.dry_run else 30):
+            rec = {"name": v["name"], "kind": v["kind"], "skipped": "time budget spent"}
+        elif args.dry_run:
+            rec = run_variant(v, steps, peak)
+        else:
+            rec = _in_subprocess(v, steps, peak, timeout=left)
+        results.append(rec)
+        print(_line(rec), flush=True)
+    out = {**header, "wall_s": time.perf_counter() - t_start, "variants": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    print(f"done in {out['wall_s']:.0f}s", flush=True)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def _gib(x) -> str:
+    return f"{x / 2**30:.2f} GiB" if isinstance(x, (int, float)) else "n/a"
+
+
+def _line(r: dict) -> str:
+    if "skipped" in r or "error" in r:
+        return f"{r['name']:36s} {'SKIPPED' if 'skipped' in r else 'ERROR'}: {r.get('skipped') or r.get('error')}"
+    ma = r.get("memory_analysis_bytes")
+    temp = _gib(ma["temp"]) if isinstance(ma, dict) else "n/a"
+    return (f"{r['name']:36s} {r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu']:.3f}  peak mem "
+            f"{_gib(r['peak_device_bytes'])}  (XLA temp {temp}; compile {r['compile_s']:.0f}s; "
+            f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
