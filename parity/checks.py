@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxmoe.archs import get_arch
 from jaxmoe.config import Config
-from parity.tolerances import Tolerances
+from parity.tolerances import REL_FLOOR, Tolerances
 
 LOSS_KEYS = ("ce", "z_loss", "lb", "seq_aux", "router_z", "loss")
 
@@ -115,7 +115,7 @@ def _stats(a: np.ndarray, b: np.ndarray) -> dict:
     max_abs = float(d.max()) if d.size else 0.0
     na, nb = np.linalg.norm(a), np.linalg.norm(b)
     cos = float((a * b).sum() / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
-    return {"max_abs": max_abs, "max_rel": max_abs / scale if scale > 0 else max_abs, "cosine": cos, "scale": scale}
+    return {"max_abs": max_abs, "max_rel": max_abs / max(scale, REL_FLOOR), "cosine": cos, "scale": scale}
 
 
 def compare_forward(cfg: Config, jf: dict, tf: dict, tol: Tolerances, checks: Checks) -> dict:
@@ -188,8 +188,8 @@ def _lse(x: np.ndarray) -> np.ndarray:
 
 
 def _rel(a: float, b: float) -> float:
-    d = abs(a - b)
-    return d / abs(b) if b != 0 else d
+    """|a - b| / max(|b|, REL_FLOOR) (see parity.tolerances on the floor)."""
+    return abs(a - b) / max(abs(b), REL_FLOOR)
 
 
 def compare_losses(jl: dict, tl: dict, tol: Tolerances, checks: Checks) -> None:
@@ -202,7 +202,7 @@ def _rel_l2(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     a, b = a.astype(np.float64), b.astype(np.float64)
     diff = np.linalg.norm(a - b)
     nb = np.linalg.norm(b)
-    return (diff / nb if nb > 0 else diff), float(np.abs(a - b).max()) if a.size else 0.0
+    return diff / max(nb, REL_FLOOR), float(np.abs(a - b).max()) if a.size else 0.0
 
 
 def compare_named(prefix: str, ja: dict, ta: dict, tolerance: float, checks: Checks, stage: str) -> dict:

@@ -71,6 +71,9 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
                    help="replay one side's expert choices in the other (torch: jax replays torch's)")
     r.add_argument("--profile", choices=("fast", "full"), default="full",
                    help="run size: fast = 4x32 tokens, 2 steps; full = the preset's batch, 20 steps")
+    r.add_argument("--init-scale", type=float, default=None, metavar="S",
+                   help="multiply the init's weight matrices by S (default 8: logit std ~1.3, decisive "
+                        "routing; 1 = the plain init)")
     r.add_argument("--all", action="store_true", help="run the whole coverage matrix; write summary.json")
     r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     s = sub.add_parser("selftest", help="inject faults into torch_ref and check that they are caught",
@@ -78,6 +81,8 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
                                    "first divergence; each baseline must pass.")
     s.add_argument("--profile", choices=("fast", "full"), default="fast")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--init-scale", type=float, default=None, metavar="S",
+                   help="multiply the init's weight matrices by S (default 8)")
     s.add_argument("--out", default=None, help="write selftest.json here")
 
 
@@ -87,6 +92,8 @@ def _options(args, preset, overrides, extra, name=None):
     kw = dict(preset=preset, overrides=list(overrides), dtype=args.dtype, steps=args.steps,
               optimizer=args.optimizer, seed=args.seed, mesh=args.mesh, force_routing=args.force_routing,
               profile=args.profile, name=name)
+    if args.init_scale is not None:
+        kw["init_scale"] = args.init_scale
     kw.update(extra)
     return RunOptions(**kw)
 
@@ -147,7 +154,8 @@ def _selftest(args) -> int:
     from parity.faults import selftest
     from parity.report import format_table
 
-    ok, rows = selftest(profile=args.profile, seed=args.seed)
+    kw = {} if args.init_scale is None else {"init_scale": args.init_scale}
+    ok, rows = selftest(profile=args.profile, seed=args.seed, **kw)
     print()
     print(format_table(rows, ["fault", "caught", "first_divergence", "expected", "ok"]))
     print("\nself-test " + ("PASSED: every fault caught and localised; baselines pass" if ok else "FAILED"))

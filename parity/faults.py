@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from parity.runner import RunOptions, run_suite
+from parity.tolerances import DEFAULT_INIT_SCALE
 
 
 def _same(cfg):
@@ -135,7 +136,7 @@ def default_faults() -> list[Fault]:
 
 
 def selftest(profile: str = "fast", faults: list[Fault] | None = None, seed: int = 0, log=print,
-             jax_cache: dict | None = None) -> tuple[bool, list[dict]]:
+             jax_cache: dict | None = None, init_scale: float = DEFAULT_INIT_SCALE) -> tuple[bool, list[dict]]:
     """Run every fault; -> (all caught, localised and baselines passed, rows). ``jax_cache``
     shares jax-side results with other runs of the same configurations."""
     faults = default_faults() if faults is None else faults
@@ -143,7 +144,7 @@ def selftest(profile: str = "fast", faults: list[Fault] | None = None, seed: int
     rows = []
     for f in faults:
         opts = RunOptions(preset=f.preset, overrides=list(f.overrides), profile=profile, seed=seed, steps=0,
-                          name=f.name)
+                          name=f.name, init_scale=init_scale)
         rep = run_suite(opts, fault=None if not f.expected else f, jax_cache=cache, with_grads=False,
                         with_steps=False)
         fd = rep["first_divergence"]

@@ -50,7 +50,7 @@ from parity.checks import (
     selection_gap,
 )
 from parity.sides import JaxSide, TorchSide, _np, init_weights, make_batches, setup_numerics, to_hf
-from parity.tolerances import SIZE_PROFILES, tolerances_for
+from parity.tolerances import DEFAULT_INIT_SCALE, SIZE_PROFILES, tolerances_for
 
 # jax (and torch, through parity.sides) is imported only inside functions: `import parity.runner`
 # stays free of both, so `python -m parity --help` is instant and --mesh can set XLA_FLAGS first.
@@ -76,6 +76,7 @@ class RunOptions:
     profile: str = "full"  # run size: "fast" | "full"
     name: str | None = None  # label in summaries
     randomize_bias: bool = True
+    init_scale: float = DEFAULT_INIT_SCALE  # weight matrices x this (parity.sides.scale_init)
 
     @property
     def label(self) -> str:
@@ -185,10 +186,10 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     if opts.mesh:
         cfg, ctx = build_context(cfg, parse_mesh(opts.mesh))
 
-    key = (cfg.to_json(), opts.seed, opts.randomize_bias, opts.mesh)
+    key = (cfg.to_json(), opts.seed, opts.randomize_bias, opts.mesh, opts.init_scale)
     cache = jax_cache.setdefault(key, {}) if jax_cache is not None else {}
     if "weights" not in cache:
-        cache["weights"] = init_weights(cfg, opts.seed, opts.randomize_bias)
+        cache["weights"] = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
     params, buffers = cache["weights"]
     if "hf" not in cache:
         cache["hf"] = to_hf(cfg, params, buffers)

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxmoe.config import Config
 from jaxmoe.port.hf_map import ZERO, entries, flatten
+from parity.checks import selection_gap
 
 # jax, torch, torch_ref and the jaxmoe modules that import jax at import time are imported inside
 # the functions that use them ("late" below): `import parity.runner` must not import jax or torch,
@@ -46,21 +47,59 @@ def setup_numerics() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-def init_weights(cfg: Config, seed: int, randomize_bias: bool = True):
-    """``(params, buffers)`` from jaxmoe's ``init_params``; the expert bias (if any) randomised
-    (normal, std 0.03: comparable to the spread of sigmoid scores at init, so it changes which
-    experts are selected) with a generator seeded by ``seed``."""
+def scale_init(cfg: Config, params, scale: float):
+    """``params`` with every weight matrix (optimizer groups ``matrix``, ``embed``, ``head``:
+    attention, MLPs, experts, routers, embedding, lm_head) multiplied by ``scale``; norm scales
+    (group ``vector``) untouched.
+
+    Why: the default init (std 0.02) leaves the logits nearly flat (std ~0.02) and the routing
+    nearly uniform, so a real bug (a RoPE layout, an eps) moves the KL by ~1e-7 and most tokens'
+    top-k choice is close to a tie. Scaled weights make the network *decisive*: logit std >= 1
+    and clear routing gaps (measured by :func:`decisiveness`; docs/MEASUREMENTS.md, "Parity,
+    decisive weights"). Used by the matrix and the self-test (``--init-scale``)."""
+    import jax  # late: jax (see the note on imports)
+
+    from jaxmoe.model.transformer import declared_groups
+
+    if scale == 1.0:
+        return params
+    groups = declared_groups(cfg)
+    return jax.tree.map(lambda g, p: p * scale if g != "vector" else p, groups, params)
+
+
+def init_weights(cfg: Config, seed: int, randomize_bias: bool = True, init_scale: float = 1.0):
+    """``(params, buffers)`` from jaxmoe's ``init_params``, weight matrices times ``init_scale``
+    (:func:`scale_init`); the expert bias (if any) randomised (normal, std 0.03: comparable to the
+    spread of sigmoid scores at init, so it changes which experts are selected) with a generator
+    seeded by ``seed``."""
     import jax.numpy as jnp  # late: jax (see the note on imports)
 
     from jaxmoe.model.transformer import init_params
 
+    if not (init_scale > 0 and np.isfinite(init_scale)):
+        from jaxmoe.errors import UserError
+
+        raise UserError(f"--init-scale {init_scale!r}: must be a positive finite number (e.g. 8)")
     params, buffers = init_params(cfg, seed)
+    params = scale_init(cfg, params, float(init_scale))
     if randomize_bias and buffers.get("moe", {}).get("expert_bias") is not None:
         bias = buffers["moe"]["expert_bias"]
         rng = np.random.default_rng(seed + 12345)
         new = rng.normal(0.0, 0.03, size=bias.shape).astype(np.float32)
         buffers = {**buffers, "moe": {**buffers["moe"], "expert_bias": jnp.asarray(new)}}
     return params, buffers
+
+
+def decisiveness(cfg: Config, logits: np.ndarray, scores: np.ndarray | None, bias=None) -> dict:
+    """How decisive a forward pass is: the logit std, and per MoE layer the median selection-score
+    gap at the top-k boundary (parity.checks.selection_gap) and the fraction of tokens whose gap is
+    below 1e-3 (close to a tie)."""
+    out = {"logit_std": float(np.std(logits.astype(np.float64)))}
+    if scores is not None and len(scores):
+        gaps = [selection_gap(scores[j], None if bias is None else bias[j], cfg.moe) for j in range(len(scores))]
+        out["median_gap"] = [float(np.median(g)) for g in gaps]
+        out["frac_gap_below_1e-3"] = [float((g < 1e-3).mean()) for g in gaps]
+    return out
 
 
 def to_hf(cfg: Config, params, buffers=None, *, with_buffers: bool = True) -> dict[str, np.ndarray]:
