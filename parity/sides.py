@@ -224,9 +224,10 @@ class JaxSide:
         _, metrics = compute_loss(self.cfg, logits, aux, jb)
         return {"logits": _np(logits), "aux": _tree_np(aux), "losses": {k: float(v) for k, v in metrics.items()}}
 
-    def grads(self, batch: dict, forced=None) -> dict[str, np.ndarray]:
+    def grads(self, batch: dict, forced=None, patch=None) -> dict[str, np.ndarray]:
         """Gradients by HF name, from the training path itself: ``make_grad_fn`` (micro-batch
-        accumulation included), with ``forced_idx`` when a routing is replayed."""
+        accumulation included), with ``forced_idx`` when a routing is replayed; ``patch`` (a
+        context manager) is active while the function is traced (a fault's jax-side hook)."""
         import jax  # late: jax (see the note on imports)
         import jax.numpy as jnp
 
@@ -235,7 +236,8 @@ class JaxSide:
         cfg = self.cfg
         jb = self.batch(batch)
         f = None if forced is None else jnp.asarray(forced, jnp.int32)
-        grads, _, _ = jax.jit(make_grad_fn(cfg, dispatch=self.dispatch))(self.params, self.buffers, jb, f)
+        with patch if patch is not None else contextlib.nullcontext():  # a fault's jax-side patch (traced here)
+            grads, _, _ = jax.jit(make_grad_fn(cfg, dispatch=self.dispatch))(self.params, self.buffers, jb, f)
         return to_hf(cfg, _tree_np(grads), with_buffers=False)
 
     def train(self, batches: list[dict]) -> dict:
@@ -250,15 +252,20 @@ class JaxSide:
         if self.ctx is not None:
             state = self.ctx.place_state(state)
         step = make_train_step(cfg, tx, dispatch=self.dispatch, donate=False)
-        losses, counts = [], []
-        for b in batches:
+        losses, counts, first = [], [], None
+        for i, b in enumerate(batches):
             state, m = step(state, self.batch(b))
             losses.append(float(m["loss"]))
             counts.append(np.rint(_np(m["counts"])).astype(np.int64))
+            if i == 0:  # after update 1: the optimizer faults are localised here
+                first = self._snapshot(state)
+        out = self._snapshot(state)
+        return {"losses": losses, **out, "counts": counts, "params1": first["params"], "bias1": first["bias"]}
+
+    def _snapshot(self, state) -> dict:
         params, buffers = _tree_np(state["params"]), _tree_np(state["buffers"])
-        bias = buffers.get("moe", {}).get("expert_bias")
-        return {"losses": losses, "params": to_hf(cfg, params, with_buffers=False), "bias": bias,
-                "counts": counts}
+        return {"params": to_hf(self.cfg, params, with_buffers=False),
+                "bias": buffers.get("moe", {}).get("expert_bias")}
 
 
 def split_rows(batch: dict, n: int) -> list[dict]:
@@ -348,27 +355,33 @@ class TorchSide:
         from torch_ref.train import make_optimizer, make_scheduler, train_step  # late: torch (see the note on imports)
 
         model = self._build()  # fresh weights: forward/grad checks must not leak into training
-        opt = make_optimizer(model, self.cfg)
-        sched = make_scheduler(opt, self.cfg)
         # expert counts of each step, captured from the MoE blocks' aux (train_step returns none)
         seen: list = []
         blocks = model.moe_blocks()
         hooks = [blk.register_forward_hook(lambda mod, inp, out, j=j: seen.append((j, _np(out[1]["counts"]))))
                  for j, blk in enumerate(blocks)]
-        losses, counts = [], []
+        losses, counts, first = [], [], None
         try:
-            with self.patched():
-                for b in batches:
+            with self.patched():  # optimizer faults patch the optimizer's construction too
+                opt = make_optimizer(model, self.cfg)
+                sched = make_scheduler(opt, self.cfg)
+                for i, b in enumerate(batches):
                     seen.clear()
                     losses.append(float(train_step(model, opt, sched, torch_batch(b), self.cfg)["loss"]))
                     c = np.zeros((len(blocks), self.cfg.moe.n_experts), np.int64)
                     for j, cj in seen:
                         c[j] += cj.astype(np.int64)
                     counts.append(c)
+                    if i == 0:  # after update 1: the optimizer faults are localised here
+                        first = self._snapshot(model)
         finally:
             for h in hooks:
                 h.remove()
+        return {"losses": losses, **self._snapshot(model), "counts": counts, "params1": first["params"],
+                "bias1": first["bias"]}
+
+    @staticmethod
+    def _snapshot(model) -> dict:
         params = {n: _np(p).astype(np.float32) for n, p in model.named_parameters()}
         biases = model.expert_biases()
-        bias = np.stack([_np(b) for b in biases]) if biases else None
-        return {"losses": losses, "params": params, "bias": bias, "counts": counts}
+        return {"params": params, "bias": np.stack([_np(b) for b in biases]) if biases else None}
