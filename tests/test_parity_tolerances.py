@@ -183,6 +183,10 @@ def test_tolerance_passes_the_measured_error_and_fails_ten_times_it(profile, fie
     tol = next(t for t in PROFILES.values() if t.name == profile)
     limit = getattr(tol, field)
     measured, source = MEASURED[profile][field]
+    if limit is None and field == "logits_abs":  # bf16: the logits are compared scaled instead
+        item = CASES[field](1e3)(tol)
+        assert item["tolerance"] == tol.probe_scaled and not item["passed"]
+        return
     if limit is None:  # reported as a figure in this profile: the check never fails
         assert CASES[field](1e3)(tol)["tolerance"] is None
         return
