@@ -193,7 +193,10 @@ STAGES = {"forward": (False, 0), "backward": (True, 0), "steps": (False, 1), "al
 
 
 def _matches(name: str | None, expected: tuple) -> bool:
-    return name is not None and any(fnmatch.fnmatchcase(name, pat) for pat in expected)
+    """``name`` equals one of ``expected`` or matches it as a pattern whose only wildcard is
+    ``*`` (the brackets of ``moe_out[1]`` are literal, not a glob character class)."""
+    return name is not None and any(name == pat or fnmatch.fnmatchcase(name, pat.replace("[", "[[]"))
+                                    for pat in expected)
 
 
 def run_fault(f: Fault, profile: str, seed: int, init_scale: float, cache: dict) -> dict:

@@ -177,3 +177,13 @@ def test_a_fault_fails_the_gradient_checks(name):
     assert not rep["passed"]
     assert rep["first_divergence"]["name"] == "attn_out[0]"
     assert any(not c["passed"] for c in rep["checks"] if c["name"].startswith("grad:"))
+
+
+def test_fault_expectations_match_literal_brackets_and_star():
+    from parity.faults import _matches
+
+    assert _matches("moe_out[1]", ("moe_out[1]",)) and not _matches("moe_out1", ("moe_out[1]",))
+    pat = ("grad:model.layers.1.mlp.experts.*.down_proj.weight",)
+    assert _matches("grad:model.layers.1.mlp.experts.3.down_proj.weight", pat)
+    assert not _matches("grad:model.layers.2.mlp.experts.3.down_proj.weight", pat)
+    assert not _matches(None, ("(passes)",))
