@@ -128,7 +128,10 @@ class HFSide:
         seen = []
         hooks = [r.register_forward_hook(lambda mod, inp, out: seen.append(out)) for r in self.routers]
         try:
-            out = self.model(input_ids=inputs, output_router_logits=lb_pooled(self.cfg), use_cache=False)
+            # Qwen3-MoE / Mixtral (softmax routers) return their load-balance loss as aux_loss: always
+            # asked for (a figure), added to the objective only under the pooled scope
+            kw = {"output_router_logits": True} if self.cfg.moe.score_func == "softmax" else {}
+            out = self.model(input_ids=inputs, use_cache=False, **kw)
         finally:
             for h in hooks:
                 h.remove()
