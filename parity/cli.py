@@ -171,7 +171,7 @@ def _selftest(args) -> int:
     kw = {} if args.init_scale is None else {"init_scale": args.init_scale}
     ok, rows = selftest(profile=args.profile, seed=args.seed, **kw)
     print()
-    print(format_table(rows, ["fault", "caught", "first_divergence", "expected", "ok"]))
+    print(format_table(rows, ["fault", "stage", "caught", "first_divergence", "expected", "margin", "ok"]))
     print("\nself-test " + ("PASSED: every fault caught and localised; baselines pass" if ok else "FAILED"))
     if args.out:
         out = Path(args.out)
