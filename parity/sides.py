@@ -352,7 +352,7 @@ class TorchSide:
 
     def train(self, batches: list[dict]) -> dict:
         """N ``torch_ref.train.train_step`` calls on a fresh copy of the initial weights."""
-        from torch_ref.train import make_optimizer, make_scheduler, train_step  # late: torch (see the note on imports)
+        import torch_ref.train as ttrain  # late: torch (see the note on imports)
 
         model = self._build()  # fresh weights: forward/grad checks must not leak into training
         # expert counts of each step, captured from the MoE blocks' aux (train_step returns none)
@@ -363,11 +363,12 @@ class TorchSide:
         losses, counts, first = [], [], None
         try:
             with self.patched():  # optimizer faults patch the optimizer's construction too
-                opt = make_optimizer(model, self.cfg)
-                sched = make_scheduler(opt, self.cfg)
+                # looked up on the module while patched: a fault may replace make_optimizer
+                opt = ttrain.make_optimizer(model, self.cfg)
+                sched = ttrain.make_scheduler(opt, self.cfg)
                 for i, b in enumerate(batches):
                     seen.clear()
-                    losses.append(float(train_step(model, opt, sched, torch_batch(b), self.cfg)["loss"]))
+                    losses.append(float(ttrain.train_step(model, opt, sched, torch_batch(b), self.cfg)["loss"]))
                     c = np.zeros((len(blocks), self.cfg.moe.n_experts), np.int64)
                     for j, cj in seen:
                         c[j] += cj.astype(np.int64)
