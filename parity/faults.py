@@ -1,8 +1,10 @@
 """Fault injection: prove that the parity suite fails, and fails at the right place.
 
-Each :class:`Fault` breaks the *torch_ref* side only, without touching library files -- through
-a config copy given to torch_ref, a monkeypatch active while torch_ref runs, or an edit of the
-loaded weights -- and names the probe(s) where the suite's ``first_divergence`` must point:
+Each :class:`Fault` breaks one side without touching library files -- a config copy given to
+torch_ref, a monkeypatch active while torch_ref runs or while jax traces (parity.fault_hooks),
+or an edit of the loaded weights -- and names the check(s) where the suite's
+``first_divergence`` must point (the forward faults; the backward, optimizer, balance and
+dispatch faults are in :func:`default_faults` and parity.fault_hooks):
 
 =======================  ==================================================  =======================
 fault                    how                                                 expected first divergence
@@ -18,9 +20,10 @@ missing-route-scale      torch cfg ``moe.route_scale`` 2.5 -> 1 (tiny-mla)     `
 =======================  ==================================================  =======================
 
 Plus a ``baseline`` (no fault) per configuration, which must pass: a suite that always fails
-would otherwise "catch" everything. The self-test runs the forward-pass checks only (routing,
-probes, losses): that is where a divergence is localised; the jax side is computed once per
-configuration and shared by its faults.
+would otherwise "catch" everything. Each fault's ``stage`` says what runs (:data:`STAGES`:
+forward checks; + gradients; + one optimizer step; a mesh in a subprocess); the jax side is
+computed once per configuration and shared by its faults. Each row reports the margin: the
+observed error at the first divergence over its tolerance (a baseline: its worst check).
 """
 
 from __future__ import annotations
