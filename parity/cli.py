@@ -42,9 +42,18 @@ MATRIX = [
     ("tiny-bf16", "tiny", [], {"dtype": "bfloat16"}),
     ("tiny-mla-bf16", "tiny-mla", [], {"dtype": "bfloat16"}),
     ("mixtral-tiny-bf16", "mixtral-tiny", [], {"dtype": "bfloat16"}),
+    # bf16 with one side's routing imposed on the other: gradients gated tightly (the natural
+    # bf16 runs above report their gradients as figures; parity.tolerances)
+    ("tiny-bf16-forced", "tiny", [], {"dtype": "bfloat16", "force_routing": "torch"}),
+    ("tiny-mla-bf16-forced", "tiny-mla", [], {"dtype": "bfloat16", "force_routing": "torch"}),
+    ("mixtral-tiny-bf16-forced", "mixtral-tiny", [], {"dtype": "bfloat16", "force_routing": "torch"}),
     ("tiny-mla-force-torch", "tiny-mla", [], {"force_routing": "torch"}),
     ("tiny-force-jax", "tiny", [], {"force_routing": "jax"}),
     ("tiny-mla-mesh-expert4-fsdp2", "tiny-mla", [], {"mesh": "expert=4,fsdp=2"}),
+    # transformers as the reference (parity.hf_runner)
+    ("tiny-hf", "tiny", [], {"reference": "hf"}),
+    ("tiny-mla-hf", "tiny-mla", [], {"reference": "hf"}),
+    ("mixtral-tiny-hf", "mixtral-tiny", [], {"reference": "hf"}),
 ]
 
 
@@ -71,6 +80,12 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
                    help="replay one side's expert choices in the other (torch: jax replays torch's)")
     r.add_argument("--profile", choices=("fast", "full"), default="full",
                    help="run size: fast = 4x32 tokens, 2 steps; full = the preset's batch, 20 steps")
+    r.add_argument("--reference", choices=("torch_ref", "hf"), default="torch_ref",
+                   help="the other side: torch_ref (default) or hf (transformers' own model; --steps N "
+                        "trains it with torch AdamW, 0 compares one forward/backward)")
+    r.add_argument("--init-scale", type=float, default=None, metavar="S",
+                   help="multiply the init's weight matrices by S (default 8: logit std ~1.3, decisive "
+                        "routing; 1 = the plain init)")
     r.add_argument("--all", action="store_true", help="run the whole coverage matrix; write summary.json")
     r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     s = sub.add_parser("selftest", help="inject faults into torch_ref and check that they are caught",
@@ -78,6 +93,8 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
                                    "first divergence; each baseline must pass.")
     s.add_argument("--profile", choices=("fast", "full"), default="fast")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--init-scale", type=float, default=None, metavar="S",
+                   help="multiply the init's weight matrices by S (default 8)")
     s.add_argument("--out", default=None, help="write selftest.json here")
 
 
@@ -87,6 +104,10 @@ def _options(args, preset, overrides, extra, name=None):
     kw = dict(preset=preset, overrides=list(overrides), dtype=args.dtype, steps=args.steps,
               optimizer=args.optimizer, seed=args.seed, mesh=args.mesh, force_routing=args.force_routing,
               profile=args.profile, name=name)
+    if args.init_scale is not None:
+        kw["init_scale"] = args.init_scale
+    if getattr(args, "reference", None) and not getattr(args, "all", False):  # --all: the matrix says
+        kw["reference"] = args.reference
     kw.update(extra)
     return RunOptions(**kw)
 
@@ -147,9 +168,10 @@ def _selftest(args) -> int:
     from parity.faults import selftest
     from parity.report import format_table
 
-    ok, rows = selftest(profile=args.profile, seed=args.seed)
+    kw = {} if args.init_scale is None else {"init_scale": args.init_scale}
+    ok, rows = selftest(profile=args.profile, seed=args.seed, **kw)
     print()
-    print(format_table(rows, ["fault", "caught", "first_divergence", "expected", "ok"]))
+    print(format_table(rows, ["fault", "stage", "caught", "first_divergence", "expected", "margin", "ok"]))
     print("\nself-test " + ("PASSED: every fault caught and localised; baselines pass" if ok else "FAILED"))
     if args.out:
         out = Path(args.out)

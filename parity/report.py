@@ -38,6 +38,10 @@ def to_markdown(report: dict) -> str:
     r = report["routing"]
     lines.append(f"* routing mismatches: {r['near_tie']} near-tie, {r['real']} real; comparisons ran with "
                  f"routing: {report['comparison_routing']}")
+    if report.get("reference") == "hf":
+        lb = report.get("hf_aux_loss")
+        lines.append(f"* reference: transformers (hf); HF aux_loss {_fmt(lb)} "
+                     f"({'compared' if report.get('lb_compared') else 'a figure: moe.lb_scope is not pooled'})")
     if report.get("fault"):
         lines.append(f"* injected fault (torch side): {report['fault']}")
     if report.get("mesh"):
@@ -48,7 +52,9 @@ def to_markdown(report: dict) -> str:
     curves = report.get("loss_curves")
     if curves:
         lines.append(f"* final loss: jax {curves['jax'][-1]:.8g}, torch {curves['torch'][-1]:.8g}")
-    lines += ["", "| check | stage | metric | value | tolerance | passed |", "| --- | --- | --- | --- | --- | --- |"]
+    # the value column is named after the reference the jax side was compared with
+    ref = report.get("reference", "torch_ref")
+    lines += ["", f"| check | stage | metric | {ref} | tolerance | passed |", "| --- | --- | --- | --- | --- | --- |"]
     for c in sorted(report["checks"], key=lambda c: c["passed"]):
         lines.append(f"| {c['name']} | {c['stage']} | {c['metric']} | {_fmt(c['value'])} | "
                      f"{_fmt(c['tolerance'])} | {'yes' if c['passed'] else '**NO**'} |")
@@ -135,6 +141,7 @@ def summary_row(report: dict) -> dict:
     curves = report.get("loss_curves")
     return {
         "name": report["name"],
+        "reference": report.get("reference", "torch_ref"),
         "passed": report["passed"],
         "checks": report["n_checks"],
         "failed": report["n_failed"],
@@ -160,7 +167,7 @@ def write_summary(rows: list[dict], out: str | Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     passed = all(r["passed"] for r in rows)
     (out / "summary.json").write_text(json.dumps(_jsonable({"passed": passed, "runs": rows}), indent=1))
-    cols = ["name", "passed", "checks", "failed", "near_ties", "worst_grad_rel_l2", "final_loss_rel",
+    cols = ["name", "reference", "passed", "checks", "failed", "near_ties", "worst_grad_rel_l2", "final_loss_rel",
             "first_divergence", "seconds"]
     return format_table(rows, cols)
 

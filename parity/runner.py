@@ -29,6 +29,7 @@ re-exported from :mod:`parity.sides` and :mod:`parity.checks`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -50,7 +51,7 @@ from parity.checks import (
     selection_gap,
 )
 from parity.sides import JaxSide, TorchSide, _np, init_weights, make_batches, setup_numerics, to_hf
-from parity.tolerances import SIZE_PROFILES, tolerances_for
+from parity.tolerances import DEFAULT_INIT_SCALE, SIZE_PROFILES, tolerances_for
 
 # jax (and torch, through parity.sides) is imported only inside functions: `import parity.runner`
 # stays free of both, so `python -m parity --help` is instant and --mesh can set XLA_FLAGS first.
@@ -76,6 +77,8 @@ class RunOptions:
     profile: str = "full"  # run size: "fast" | "full"
     name: str | None = None  # label in summaries
     randomize_bias: bool = True
+    reference: str = "torch_ref"  # "torch_ref" | "hf" (transformers; parity.hf_runner)
+    init_scale: float = DEFAULT_INIT_SCALE  # weight matrices x this (parity.sides.scale_init)
 
     @property
     def label(self) -> str:
@@ -178,17 +181,23 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         _ensure_devices(mesh_devices(opts.mesh))
     cfg = build_config(opts)
     n_steps = run_steps(opts, cfg) if with_steps else 0
-    tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer)
+    if opts.reference == "hf":
+        from parity.hf_runner import run_hf_suite  # late: imports transformers
+
+        return run_hf_suite(opts, cfg, n_steps)
+    if opts.reference != "torch_ref":
+        raise UserError(f"--reference {opts.reference!r}: choose torch_ref or hf")
+    tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer, forced=opts.force_routing is not None)
     setup_numerics()
 
     ctx = None
     if opts.mesh:
         cfg, ctx = build_context(cfg, parse_mesh(opts.mesh))
 
-    key = (cfg.to_json(), opts.seed, opts.randomize_bias, opts.mesh)
+    key = (cfg.to_json(), opts.seed, opts.randomize_bias, opts.mesh, opts.init_scale)
     cache = jax_cache.setdefault(key, {}) if jax_cache is not None else {}
     if "weights" not in cache:
-        cache["weights"] = init_weights(cfg, opts.seed, opts.randomize_bias)
+        cache["weights"] = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
     params, buffers = cache["weights"]
     if "hf" not in cache:
         cache["hf"] = to_hf(cfg, params, buffers)
@@ -197,13 +206,21 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     batches = make_batches(cfg, max(1, n_steps), opts.seed)
     timings["setup"] = time.perf_counter() - t0
 
+    # A fault may patch the jax side (parity.faults: a backward or dispatch fault). Its patch is
+    # active while jax traces; what it changes is cached under the fault's own key (`jax_key`):
+    # the forward only if the fault says the forward changes, the gradients always.
+    jpatch = (lambda: fault.jax_patch()) if fault is not None and fault.jax_key else contextlib.nullcontext
+    fkey = fault.jax_key if fault is not None and fault.jax_forward else None
+    gkey = fault.jax_key if fault is not None else None
     t = time.perf_counter()
-    if "jax" not in cache:
-        cache["jax"] = JaxSide(cfg, params, buffers, ctx)
-    js = cache["jax"]
-    if "fwd" not in cache:
-        cache["fwd"] = js.forward(batches[0])
-    jf = cache["fwd"]
+    if ("jax", fkey) not in cache:
+        with jpatch():
+            cache[("jax", fkey)] = JaxSide(cfg, params, buffers, ctx)
+    js = cache[("jax", fkey)]
+    if ("fwd", fkey) not in cache:
+        with jpatch():
+            cache[("fwd", fkey)] = js.forward(batches[0])
+    jf = cache[("fwd", fkey)]
     timings["jax_forward"] = time.perf_counter() - t
     t = time.perf_counter()
     ts = TorchSide(cfg, hf, fault, jax_info={"counts": jf["aux"]["counts"]})
@@ -217,7 +234,8 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     forced, mode = None, "natural"
     if opts.force_routing == "torch":
         forced, mode = tf["aux"]["router"]["topk_idx"], "jax replays torch's expert choices (--force-routing torch)"
-        jf = js.forward(batches[0], forced)
+        with jpatch():
+            jf = js.forward(batches[0], forced)
     elif opts.force_routing == "jax" or (routing["near_tie"] and not routing["real"]):
         forced = jf["aux"]["router"]["topk_idx"]
         mode = ("torch replays jax's expert choices (--force-routing jax)" if opts.force_routing == "jax"
@@ -229,9 +247,9 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     grad_worst: dict = {}
     if with_grads:
         t = time.perf_counter()
-        ckey = ("grads", None if forced is None else forced.tobytes())
+        ckey = ("grads", None if forced is None else forced.tobytes(), gkey)
         if ckey not in cache:
-            cache[ckey] = js.grads(batches[0], forced)
+            cache[ckey] = js.grads(batches[0], forced, patch=jpatch())
         jg = cache[ckey]
         timings["jax_grads"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -242,13 +260,17 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     curves = None
     if n_steps > 0:
         t = time.perf_counter()
-        jt = js.train(batches[:n_steps])
+        tkey = ("train", n_steps, gkey)
+        if tkey not in cache:  # shared by the torch-side optimizer faults of one configuration
+            with jpatch():
+                cache[tkey] = js.train(batches[:n_steps])
+        jt = cache[tkey]
         timings["jax_steps"] = time.perf_counter() - t
         t = time.perf_counter()
         tt = ts.train(batches[:n_steps])
         timings["torch_steps"] = time.perf_counter() - t
         curves = {"jax": jt["losses"], "torch": tt["losses"]}
-        compare_steps(cfg, jt, tt, bias, n_steps, tol, checks)
+        compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=hf)
 
     items = checks.items
     report = {

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxmoe.config import Config
 from jaxmoe.port.hf_map import ZERO, entries, flatten
+from parity.checks import selection_gap
 
 # jax, torch, torch_ref and the jaxmoe modules that import jax at import time are imported inside
 # the functions that use them ("late" below): `import parity.runner` must not import jax or torch,
@@ -46,21 +47,59 @@ def setup_numerics() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-def init_weights(cfg: Config, seed: int, randomize_bias: bool = True):
-    """``(params, buffers)`` from jaxmoe's ``init_params``; the expert bias (if any) randomised
-    (normal, std 0.03: comparable to the spread of sigmoid scores at init, so it changes which
-    experts are selected) with a generator seeded by ``seed``."""
+def scale_init(cfg: Config, params, scale: float):
+    """``params`` with every weight matrix (optimizer groups ``matrix``, ``embed``, ``head``:
+    attention, MLPs, experts, routers, embedding, lm_head) multiplied by ``scale``; norm scales
+    (group ``vector``) untouched.
+
+    Why: the default init (std 0.02) leaves the logits nearly flat (std ~0.02) and the routing
+    nearly uniform, so a real bug (a RoPE layout, an eps) moves the KL by ~1e-7 and most tokens'
+    top-k choice is close to a tie. Scaled weights make the network *decisive*: logit std >= 1
+    and clear routing gaps (measured by :func:`decisiveness`; docs/MEASUREMENTS.md, "Parity,
+    decisive weights"). Used by the matrix and the self-test (``--init-scale``)."""
+    import jax  # late: jax (see the note on imports)
+
+    from jaxmoe.model.transformer import declared_groups
+
+    if scale == 1.0:
+        return params
+    groups = declared_groups(cfg)
+    return jax.tree.map(lambda g, p: p * scale if g != "vector" else p, groups, params)
+
+
+def init_weights(cfg: Config, seed: int, randomize_bias: bool = True, init_scale: float = 1.0):
+    """``(params, buffers)`` from jaxmoe's ``init_params``, weight matrices times ``init_scale``
+    (:func:`scale_init`); the expert bias (if any) randomised (normal, std 0.03: comparable to the
+    spread of sigmoid scores at init, so it changes which experts are selected) with a generator
+    seeded by ``seed``."""
     import jax.numpy as jnp  # late: jax (see the note on imports)
 
     from jaxmoe.model.transformer import init_params
 
+    if not (init_scale > 0 and np.isfinite(init_scale)):
+        from jaxmoe.errors import UserError
+
+        raise UserError(f"--init-scale {init_scale!r}: must be a positive finite number (e.g. 8)")
     params, buffers = init_params(cfg, seed)
+    params = scale_init(cfg, params, float(init_scale))
     if randomize_bias and buffers.get("moe", {}).get("expert_bias") is not None:
         bias = buffers["moe"]["expert_bias"]
         rng = np.random.default_rng(seed + 12345)
         new = rng.normal(0.0, 0.03, size=bias.shape).astype(np.float32)
         buffers = {**buffers, "moe": {**buffers["moe"], "expert_bias": jnp.asarray(new)}}
     return params, buffers
+
+
+def decisiveness(cfg: Config, logits: np.ndarray, scores: np.ndarray | None, bias=None) -> dict:
+    """How decisive a forward pass is: the logit std, and per MoE layer the median selection-score
+    gap at the top-k boundary (parity.checks.selection_gap) and the fraction of tokens whose gap is
+    below 1e-3 (close to a tie)."""
+    out = {"logit_std": float(np.std(logits.astype(np.float64)))}
+    if scores is not None and len(scores):
+        gaps = [selection_gap(scores[j], None if bias is None else bias[j], cfg.moe) for j in range(len(scores))]
+        out["median_gap"] = [float(np.median(g)) for g in gaps]
+        out["frac_gap_below_1e-3"] = [float((g < 1e-3).mean()) for g in gaps]
+    return out
 
 
 def to_hf(cfg: Config, params, buffers=None, *, with_buffers: bool = True) -> dict[str, np.ndarray]:
@@ -185,9 +224,10 @@ class JaxSide:
         _, metrics = compute_loss(self.cfg, logits, aux, jb)
         return {"logits": _np(logits), "aux": _tree_np(aux), "losses": {k: float(v) for k, v in metrics.items()}}
 
-    def grads(self, batch: dict, forced=None) -> dict[str, np.ndarray]:
+    def grads(self, batch: dict, forced=None, patch=None) -> dict[str, np.ndarray]:
         """Gradients by HF name, from the training path itself: ``make_grad_fn`` (micro-batch
-        accumulation included), with ``forced_idx`` when a routing is replayed."""
+        accumulation included), with ``forced_idx`` when a routing is replayed; ``patch`` (a
+        context manager) is active while the function is traced (a fault's jax-side hook)."""
         import jax  # late: jax (see the note on imports)
         import jax.numpy as jnp
 
@@ -196,7 +236,8 @@ class JaxSide:
         cfg = self.cfg
         jb = self.batch(batch)
         f = None if forced is None else jnp.asarray(forced, jnp.int32)
-        grads, _, _ = jax.jit(make_grad_fn(cfg, dispatch=self.dispatch))(self.params, self.buffers, jb, f)
+        with patch if patch is not None else contextlib.nullcontext():  # a fault's jax-side patch (traced here)
+            grads, _, _ = jax.jit(make_grad_fn(cfg, dispatch=self.dispatch))(self.params, self.buffers, jb, f)
         return to_hf(cfg, _tree_np(grads), with_buffers=False)
 
     def train(self, batches: list[dict]) -> dict:
@@ -211,15 +252,20 @@ class JaxSide:
         if self.ctx is not None:
             state = self.ctx.place_state(state)
         step = make_train_step(cfg, tx, dispatch=self.dispatch, donate=False)
-        losses, counts = [], []
-        for b in batches:
+        losses, counts, first = [], [], None
+        for i, b in enumerate(batches):
             state, m = step(state, self.batch(b))
             losses.append(float(m["loss"]))
             counts.append(np.rint(_np(m["counts"])).astype(np.int64))
+            if i == 0:  # after update 1: the optimizer faults are localised here
+                first = self._snapshot(state)
+        out = self._snapshot(state)
+        return {"losses": losses, **out, "counts": counts, "params1": first["params"], "bias1": first["bias"]}
+
+    def _snapshot(self, state) -> dict:
         params, buffers = _tree_np(state["params"]), _tree_np(state["buffers"])
-        bias = buffers.get("moe", {}).get("expert_bias")
-        return {"losses": losses, "params": to_hf(cfg, params, with_buffers=False), "bias": bias,
-                "counts": counts}
+        return {"params": to_hf(self.cfg, params, with_buffers=False),
+                "bias": buffers.get("moe", {}).get("expert_bias")}
 
 
 def split_rows(batch: dict, n: int) -> list[dict]:
@@ -306,30 +352,37 @@ class TorchSide:
 
     def train(self, batches: list[dict]) -> dict:
         """N ``torch_ref.train.train_step`` calls on a fresh copy of the initial weights."""
-        from torch_ref.train import make_optimizer, make_scheduler, train_step  # late: torch (see the note on imports)
+        import torch_ref.train as ttrain  # late: torch (see the note on imports)
 
         model = self._build()  # fresh weights: forward/grad checks must not leak into training
-        opt = make_optimizer(model, self.cfg)
-        sched = make_scheduler(opt, self.cfg)
         # expert counts of each step, captured from the MoE blocks' aux (train_step returns none)
         seen: list = []
         blocks = model.moe_blocks()
         hooks = [blk.register_forward_hook(lambda mod, inp, out, j=j: seen.append((j, _np(out[1]["counts"]))))
                  for j, blk in enumerate(blocks)]
-        losses, counts = [], []
+        losses, counts, first = [], [], None
         try:
-            with self.patched():
-                for b in batches:
+            with self.patched():  # optimizer faults patch the optimizer's construction too
+                # looked up on the module while patched: a fault may replace make_optimizer
+                opt = ttrain.make_optimizer(model, self.cfg)
+                sched = ttrain.make_scheduler(opt, self.cfg)
+                for i, b in enumerate(batches):
                     seen.clear()
-                    losses.append(float(train_step(model, opt, sched, torch_batch(b), self.cfg)["loss"]))
+                    losses.append(float(ttrain.train_step(model, opt, sched, torch_batch(b), self.cfg)["loss"]))
                     c = np.zeros((len(blocks), self.cfg.moe.n_experts), np.int64)
                     for j, cj in seen:
                         c[j] += cj.astype(np.int64)
                     counts.append(c)
+                    if i == 0:  # after update 1: the optimizer faults are localised here
+                        first = self._snapshot(model)
         finally:
             for h in hooks:
                 h.remove()
+        return {"losses": losses, **self._snapshot(model), "counts": counts, "params1": first["params"],
+                "bias1": first["bias"]}
+
+    @staticmethod
+    def _snapshot(model) -> dict:
         params = {n: _np(p).astype(np.float32) for n, p in model.named_parameters()}
         biases = model.expert_biases()
-        bias = np.stack([_np(b) for b in biases]) if biases else None
-        return {"losses": losses, "params": params, "bias": bias, "counts": counts}
+        return {"params": params, "bias": np.stack([_np(b) for b in biases]) if biases else None}
