@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
 from jaxmoe.sharding import declared_axes_flat, matched_specs, param_specs
+from jaxmoe.trees import flatten, unflatten
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
@@ -113,9 +114,9 @@ def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
     tcfg = dataclasses.replace(cfg.train, grad_clip=0.0)
     params, _ = abstract_params(cfg)
     groups = declared_groups(cfg)
-    axes = declared_axes_flat(cfg)
+    axes = declared_axesflatten(cfg)
     pspecs = param_specs(params, axes, sizes) if specs is None else specs
-    flat_p = _flat(params)
+    flat_p = flatten(params)
     out = {"module": (f"optimizer update ({tcfg.optimizer}, muon_placement={tcfg.muon_placement}, "
                       "no clipping) compiled (SPMD-partitioned) on the mesh "
                       + ",".join(f"{a}={s}" for a, s in sizes.items() if s > 1) + f" of {mesh.size} "
@@ -125,9 +126,9 @@ def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
         if not keep:
             out[kind] = {}
             continue
-        sub_p = _unflat({p: v for p, v in flat_p.items() if p in keep})
-        sub_g = _unflat({p: v for p, v in _flat(groups).items() if p in keep})
-        sub_s = _unflat({p: v for p, v in _flat(pspecs).items() if p in keep})
+        sub_p = unflatten({p: v for p, v in flat_p.items() if p in keep})
+        sub_g = unflatten({p: v for p, v in flatten(groups).items() if p in keep})
+        sub_s = unflatten({p: v for p, v in flatten(pspecs).items() if p in keep})
         shard = jax.tree.map(lambda s: NamedSharding(mesh, s), sub_s, is_leaf=lambda x: isinstance(x, P))
         tx = build_optimizer(tcfg, sub_p, sub_g, shard)
         state = jax.eval_shape(tx.init, sub_p)
@@ -137,28 +138,6 @@ def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
         text = fn.lower(sub_p, state, sub_p).compile().as_text()
         out[kind] = count_collectives(text)
     return out
-
-
-def _flat(tree, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        path = f"{prefix}/{k}" if prefix else str(k)
-        if isinstance(v, dict):
-            out.update(_flat(v, path))
-        else:
-            out[path] = v
-    return out
-
-
-def _unflat(flat: dict) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        node = tree
-        *parents, last = path.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = v
-    return tree
 
 
 __all__ = ["COLLECTIVES", "count_collectives", "optimizer_update_collectives", "total"]

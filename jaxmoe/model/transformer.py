@@ -43,6 +43,7 @@ from jaxmoe.model.mlp import SwiGLU
 from jaxmoe.model.moe import MoEBlock
 from jaxmoe.model.params import (Buffer, Decl, Embedding, Linear, RMSNorm, builds, declarations, normal,
                                  ones, stack_axes)
+from jaxmoe.trees import unflatten
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -361,28 +362,17 @@ def model_declarations(cfg: Config) -> dict[str, Decl]:
     return {**declarations(p), **declarations(b)}
 
 
-def _nest(flat: dict) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        node = tree
-        *parents, last = path.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = v
-    return tree
-
-
 def declared_groups(cfg: Config) -> dict:
     """The optimizer group of every parameter, nested like ``params`` (for jaxmoe.optim)."""
-    return _nest({k: d.group for k, d in model_declarations(cfg).items() if d.trained})
+    return unflatten({k: d.group for k, d in model_declarations(cfg).items() if d.trained})
 
 
 def declared_axes(cfg: Config) -> tuple[dict, dict]:
     """The logical axes of every parameter and buffer, nested like ``(params, buffers)`` (for
     the rules table in jaxmoe.sharding)."""
     decl = model_declarations(cfg)
-    return (_nest({k: d.axes for k, d in decl.items() if d.trained}),
-            _nest({k: d.axes for k, d in decl.items() if not d.trained}))
+    return (unflatten({k: d.axes for k, d in decl.items() if d.trained}),
+            unflatten({k: d.axes for k, d in decl.items() if not d.trained}))
 
 
 def param_count(params) -> int:

@@ -32,6 +32,7 @@ from jaxmoe.archs import get_arch
 from jaxmoe.archs.base import GLOBAL_NAMES, LAYER_PREFIX, LAYOUTS
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
+from jaxmoe.trees import flatten, unflatten  # noqa: F401 (API: re-exported)
 
 ZERO = ""  # Entry.key of HF-only tensors that must be zero (see Entry)
 
@@ -249,30 +250,6 @@ def hf_layer_index(name: str) -> int | None:
     """``model.layers.{i}.…`` -> i, else None."""
     m = _LAYER_RE.match(name)
     return int(m.group(1)) if m else None
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """Nested dict -> {"a/b/c": leaf}."""
-    out = {}
-    for k, v in tree.items():
-        path = f"{prefix}/{k}" if prefix else str(k)
-        if isinstance(v, dict):
-            out.update(flatten(v, path))
-        else:
-            out[path] = v
-    return out
-
-
-def unflatten(flat: dict) -> dict:
-    """{"a/b/c": leaf} -> nested dict."""
-    tree: dict = {}
-    for path, v in flat.items():
-        node = tree
-        *parents, last = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = v
-    return tree
 
 
 __all__ = ["ZERO", "Entry", "IGNORED_SUFFIXES", "check_supported", "detect_entries", "entries", "fp32_leaves",
