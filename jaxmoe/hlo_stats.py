@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
-from jaxmoe.sharding import declared_axes_flat, matched_specs, param_specs
+from jaxmoe.sharding import declared_axes_flat, expert_axes_of, matched_specs, param_specs
 from jaxmoe.trees import flatten, unflatten
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
@@ -114,8 +114,9 @@ def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
     tcfg = dataclasses.replace(cfg.train, grad_clip=0.0)
     params, _ = abstract_params(cfg)
     groups = declared_groups(cfg)
-    axes = declared_axesflatten(cfg)
-    pspecs = param_specs(params, axes, sizes) if specs is None else specs
+    axes = declared_axes_flat(cfg)
+    pspecs = (param_specs(params, axes, sizes, None, expert_axes_of(cfg.mesh.expert_axes))
+              if specs is None else specs)
     flat_p = flatten(params)
     out = {"module": (f"optimizer update ({tcfg.optimizer}, muon_placement={tcfg.muon_placement}, "
                       "no clipping) compiled (SPMD-partitioned) on the mesh "
