@@ -130,7 +130,7 @@ def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
     from jaxmoe.errors import ConfigError
     from jaxmoe.model.transformer import declared_groups, init_params
     from jaxmoe.optim import build_optimizer
-    from jaxmoe.step import init_state, make_train_step
+    from jaxmoe.step import init_state, make_train_step, state_shardings
 
     rec = {"name": v["name"], "kind": v["kind"]}
     try:
@@ -147,6 +147,9 @@ def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
     tx = build_optimizer(cfg.train, params, declared_groups(cfg))
     state = init_state(cfg, tx, params, buffers)
     del params, buffers
+    sh = state_shardings(cfg, state)  # train.offload_optimizer: the optimizer state in pinned_host
+    if sh is not None:
+        state = jax.device_put(state, sh)
     t = time.perf_counter()
     compiled = make_train_step(cfg, tx).lower(state, batch).compile()
     rec["compile_s"] = round(time.perf_counter() - t, 2)
