@@ -216,8 +216,15 @@ def activation_bytes(cfg: Config, t: int) -> dict:
     mode = cfg.train.remat
     ld, lm = m.first_k_dense, m.n_moe_layers
     carry = (ld + lm) * t * m.d_model * b  # the scan's saved layer inputs
-    # one layer's working set (its forward recomputed, or its activation gradients in the backward)
-    work = max(_layer_saved(cfg, t, False) if ld else 0, _layer_saved(cfg, t, True, False) if lm else 0)
+    # One layer's working set in the backward. Without remat its residuals are already in `saved`
+    # and the backward adds their cotangents (1x the layer's saved set). With remat (full,
+    # save_dots, offload) the layer's forward is recomputed inside the backward scan body and
+    # XLA keeps the recomputed residuals *and* the cotangents flowing through them live together
+    # (2x): XLA:CPU's live-range dump at the peak (tiny-mla, remat full) shows the recomputed
+    # attention scores/softmax and matmul outputs beside their gradients in that loop body.
+    # Its expert part is counted in :func:`dispatch_bytes`.
+    per_layer = max(_layer_saved(cfg, t, False) if ld else 0, _layer_saved(cfg, t, True, False) if lm else 0)
+    work = per_layer * (1 if mode == "none" else 2)
     host = 0
     if mode == "none":
         saved = ld * _layer_saved(cfg, t, False) + lm * _layer_saved(cfg, t, True) + carry
@@ -234,15 +241,24 @@ def activation_bytes(cfg: Config, t: int) -> dict:
 
 
 def dispatch_bytes(cfg: Config, t: int) -> int:
-    """One MoE layer's expert-parallel working set per device: send, receive, result and returned
-    buffers (4 x R rows of D, R = :func:`recv_rows`) and the expert intermediates on the received
-    rows with their gradients (2 x R x 2I)."""
+    """One MoE layer's expert-parallel working set per device at the step's peak, the backward of
+    that layer: 6 buffers of R rows of D (R = :func:`recv_rows`) and 2 of R rows of I.
+
+    This is what XLA keeps live there (XLA:CPU's live-range dump at the peak, ``--xla_dump_to``
+    ``*-live-range.txt`` "Stack trace breakdown for peak usage", tiny and tiny-mla on
+    fsdp=2,expert=4 with remat full, all_to_all dispatcher): from the layer's forward
+    (recomputed under remat) the zero-filled send buffer and its scatter-add ``[E*C, D]`` and two
+    copies of ``[E*C, D]`` row buffers that XLA inserts around the all_to_alls and the gathers;
+    from the backward the zero-filled cotangent buffer and its scatter-add; and about two
+    ``[R, I]`` buffers of the expert FFN (the blocked path's gate/up pre-activation and the
+    activated rows; their gradients exist one run of rows at a time). The previous model (4 R x D
+    + 4 R x I) matched tiny (I = D) by coincidence and under-counted tiny-mla (I = D/2)."""
     m, e = cfg.model, cfg.moe
     if not m.n_moe_layers:
         return 0
     b = _DTYPE_BYTES[cfg.train.dtype]
     r = recv_rows(cfg, t)
-    return r * (4 * m.d_model + 4 * e.expert_ffn_dim) * b
+    return r * (6 * m.d_model + 2 * e.expert_ffn_dim) * b
 
 
 # --------------------------------------------------------------------------------------------

@@ -266,6 +266,9 @@ def lower_report(cfg: Config) -> dict:
 __all__ = ["count_collectives", "lower_report", "lower_train_step", "optimizer_update_collectives", "reduced_config"]
 
 
+_FAST_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def compiled_memory(cfg: Config) -> dict:
     """XLA's memory_analysis() of the real train step compiled for this process's devices on the
     config's mesh (a concrete mesh: e.g. 8 fake CPU devices for a small preset)."""
@@ -276,7 +279,10 @@ def compiled_memory(cfg: Config) -> dict:
     tx, state, batch = abstract_inputs(cfg, mesh)
     kind = dispatch_mod.resolve_dispatcher(cfg, platform=jax.default_backend())
     step = make_train_step(cfg, tx, dispatch=dispatch_mod.make_dispatch(cfg, mesh, kind), donate=True)
-    ma = step.lower(state, batch).compile().memory_analysis()
+    # Buffer assignment (what memory_analysis reports) is decided by XLA's HLO passes; the LLVM
+    # code generation after it does not change it, so it runs unoptimised here: ~40% less compile
+    # time, identical figures (checked on tiny muon/none: same argument/output/alias/temp bytes).
+    ma = step.lower(state, batch).compile(compiler_options=_FAST_CODEGEN).memory_analysis()
     out = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
                                               "temp_size_in_bytes", "alias_size_in_bytes")}
     # peak live bytes of the step: inputs + outputs (donated outputs reuse their inputs) + temps
