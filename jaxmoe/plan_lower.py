@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 
 import jax
@@ -38,10 +37,11 @@ from jaxmoe.config import Config
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
 from jaxmoe.sharding import AXES, BATCH_AXES, _path_str, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.hlo_stats import count_collectives as hlo_collectives
+from jaxmoe.hlo_stats import optimizer_update_collectives as update_collectives
+from jaxmoe.hlo_stats import total
 from jaxmoe.step import init_state, make_train_step
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-               "ragged-all-to-all")
 _ISP = lambda x: isinstance(x, P)  # noqa: E731
 
 
@@ -121,28 +121,15 @@ def lower_train_step(cfg: Config, platform: str = "cuda") -> dict:
 # Collectives of the optimizer update, in a partitioned module
 # --------------------------------------------------------------------------------------------
 
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([0-9,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-          "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
 def count_collectives(hlo_text: str) -> dict:
-    """Collective ops in an HLO module's text (``-start`` of async pairs counted once) and the
-    bytes of their results."""
-    ops = nbytes = 0
-    by_kind: dict = {}
-    for line in hlo_text.splitlines():
-        if "=" not in line:
-            continue
-        lhs, rhs = line.split("=", 1)
-        m = re.match(r"\s*(\(.*?\)|\S+)\s+([a-z-]+)(-start)?\(", rhs)
-        if not m or m.group(2) not in COLLECTIVES or "-done" in rhs.split("(")[0]:
-            continue
-        n = sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE.findall(m.group(1)))
-        ops += 1
-        nbytes += n
-        by_kind[m.group(2)] = by_kind.get(m.group(2), 0) + 1
-    return {"ops": ops, "bytes": nbytes, "by_kind": by_kind}
+    """The planner's summary of :func:`jaxmoe.hlo_stats.count_collectives`: ``{"ops", "bytes",
+    "by_kind": {op: count}}`` for a compiled module's text."""
+    return count_collectives_summary(hlo_collectives(hlo_text))
+
+
+def count_collectives_summary(stats: dict) -> dict:
+    ops, nbytes = total(stats)
+    return {"ops": ops, "bytes": nbytes, "by_kind": {k: v["count"] for k, v in stats.items()}}
 
 
 def _radical(n: int) -> int:
@@ -211,29 +198,13 @@ def optimizer_update_collectives(cfg: Config) -> dict:
         return {"module": None, "note": f"needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8); "
                                         f"this process has {jax.device_count()}", "expert": None, "dense": None}
     small, diff = reduced_config(cfg)
-    small = small.replace(train=dataclasses.replace(small.train, grad_clip=0.0))
     sizes = _sizes(small)
     mesh = make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
-    params, _ = abstract_params(small)
-    groups = declared_groups(small)
-    pspecs = param_specs(params, declared_axes_flat(small), sizes, None, expert_axes_of(small.mesh.expert_axes))
-    out = {}
-    for part in ("expert", "dense"):
-        keep = lambda path: ("/experts/" in f"/{path}/") == (part == "expert")  # noqa: E731
-        sub_p, sub_g, sub_s = _subtree(params, keep), _subtree(groups, keep), _subtree(pspecs, keep, is_leaf=_ISP)
-        if not jax.tree.leaves(sub_p):
-            out[part] = {"ops": 0, "bytes": 0, "by_kind": {}}
-            continue
-        tx = build_optimizer(small.train, sub_p, sub_g)
-        opt = jax.eval_shape(tx.init, sub_p)
-        ospec = matched_specs(opt, sub_p, sub_s)
-        sh = lambda t, s: jax.tree.map(  # noqa: E731
-            lambda x, q: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, q)), t, s, is_leaf=_ISP)
-        args = (sh(sub_p, sub_s), sh(opt, ospec), sh(sub_p, sub_s))
-        compiled = jax.jit(lambda g, o, p: tx.update(g, o, p)).lower(*args).compile()
-        out[part] = count_collectives(compiled.as_text())
+    res = update_collectives(small, mesh)  # expert vs dense leaves, each compiled on its own
+    out = {part: count_collectives_summary(res[part]) for part in ("expert", "dense")}
     desc = ",".join(f"{a}={v}" for a, v in sizes.items() if v > 1) or "1 device"
-    out["module"] = (f"tx.update ({small.train.optimizer}) compiled by XLA:CPU on {math.prod(sizes.values())} "
+    out["module"] = (f"tx.update ({small.train.optimizer}, muon_placement={small.train.muon_placement}) "
+                     f"compiled by XLA:CPU on {math.prod(sizes.values())} "
                      f"devices, mesh {desc}, full width, {small.model.n_layers} layers, {small.moe.n_experts} "
                      f"experts, vocab {small.model.vocab_size}, "
                      "after SPMD partitioning; expert and dense leaves compiled separately, clipping off")
@@ -241,20 +212,6 @@ def optimizer_update_collectives(cfg: Config) -> dict:
     out["spec_differences"] = diff
     out["clip"] = {"ops": 1, "note": "gradient clipping's global norm: one scalar all-reduce"}
     return out
-
-
-def _subtree(tree, keep, is_leaf=None):
-    def rec(t, path):
-        if isinstance(t, dict):
-            out = {}
-            for k, v in t.items():
-                r = rec(v, path + [str(k)])
-                if r is not None:
-                    out[k] = r
-            return out or None
-        return t if keep("/".join(path)) else None
-
-    return rec(tree, []) or {}
 
 
 def lower_report(cfg: Config) -> dict:
