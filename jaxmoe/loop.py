@@ -62,8 +62,9 @@ class RunResult:
 class Progress:
     """A one-line progress bar with ETA on a terminal; plain periodic lines otherwise."""
 
-    def __init__(self, total: int, start: int, stream=sys.stderr):
-        self.total, self.start, self.stream = total, start, stream
+    def __init__(self, total: int, start: int, stream=None):
+        # sys.stderr looked up now, not at import (it may have been replaced since, e.g. by pytest)
+        self.total, self.start, self.stream = total, start, stream if stream is not None else sys.stderr
         self.t0 = time.perf_counter()
         self.tty = stream.isatty()
 

@@ -54,7 +54,7 @@ def test_dot_product_kernel_bf16():
     assert _rel(out.astype(jnp.float32), ref) < 3e-2
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mla"])
+@pytest.mark.parametrize("preset", [pytest.param("tiny", marks=pytest.mark.slow), "tiny-mla"])  # CI time: MLA (padded v) is the harder case
 def test_model_loss_and_grads_equal_across_kernels(preset):
     b, s = 2, 8
     tok = jax.random.randint(jax.random.key(0), (b, s + 1), 0, 256)

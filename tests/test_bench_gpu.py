@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_bench_dry_run(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
-    only = "coarse/blocked,europa/flash_attn+chunked_ce,europa/lean+offload_optimizer"
+    only = "coarse/blocked,europa/lean+offload_optimizer"  # a throughput and a memory variant
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run", "--only", only, "--json", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -22,11 +22,8 @@ def test_gpu_bench_dry_run(tmp_path):
     assert res["dry_run"] is True and res["backend"] == "cpu" and res["bf16_matmul_peak_tflops"] > 0
     by = {v["name"]: v for v in res["variants"]}
     assert set(by) == set(only.split(","))
-    for name in ("coarse/blocked", "europa/flash_attn+chunked_ce"):
+    for name in ("coarse/blocked", "europa/lean+offload_optimizer"):
         v = by[name]
         assert v["tokens_per_s"] > 0 and 0 < v["mfu"] and v["loss_last"] == v["loss_last"]  # finite
         assert isinstance(v["memory_analysis_bytes"], dict), v
         assert name in r.stdout
-    off = by["europa/lean+offload_optimizer"]
-    # the field comes from another change; until then the variant is skipped with the reason
-    assert "skipped" in off or "tokens_per_s" in off

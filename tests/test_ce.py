@@ -65,7 +65,7 @@ def test_chunked_bf16():
     assert g.dtype == jnp.bfloat16 and _rel(g.astype(jnp.float32), g0.astype(jnp.float32)) < 2e-2
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time
 def test_model_grads_equal_with_chunked_ce(tied):
     b, s = 4, 8
     tok = jax.random.randint(jax.random.key(1), (b, s + 1), 0, 256)
