@@ -66,7 +66,7 @@ class Progress:
         # sys.stderr looked up now, not at import (it may have been replaced since, e.g. by pytest)
         self.total, self.start, self.stream = total, start, stream if stream is not None else sys.stderr
         self.t0 = time.perf_counter()
-        self.tty = stream.isatty()
+        self.tty = self.stream.isatty()
 
     def update(self, step: int, text: str) -> None:
         elapsed = time.perf_counter() - self.t0
