@@ -80,7 +80,7 @@ def run_hf_suite(opts, cfg, n_steps: int) -> dict:
 
     items = checks.items
     report = {
-        "passed": all(c["passed"] for c in items), "name": opts.label + "-hf", "reference": "hf",
+        "passed": all(c["passed"] for c in items), "name": opts.label if opts.label.endswith("-hf") else opts.label + "-hf", "reference": "hf",
         "first_divergence": first_divergence(items), "checks": items, "n_checks": len(items),
         "n_failed": sum(not c["passed"] for c in items), "routing": routing,
         "comparison_routing": "natural (transformers cannot replay a routing)", "loss_curves": curves,

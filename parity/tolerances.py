@@ -136,7 +136,9 @@ BFLOAT16_FORCED = Tolerances(
     probe_scaled=8e-2,  # measured 2.5e-2 (final hidden state)
     logits_abs=None,  # bf16: the logits are checked scaled (probe_scaled), measured 1.7e-2
     logits_kl=5e-4,  # measured 1.3e-4
-    loss_rel=1e-3,  # measured 3.6e-4
+    # measured 3.6e-4 (tiny, forced); 1.45e-3 (tiny-mla seq_aux) and 1.35e-3 (mixtral-tiny
+    # router z-loss: mean logsumexp^2 of bf16-rounded router logits) in the init-scale-8 matrix
+    loss_rel=5e-3,
     grad_rel_l2=8e-2,  # measured 2.65e-2 (bf16 rounding of every activation, routing identical)
     step_loss_rel=5e-3,  # measured 1.9e-3
     step_param_rel_l2=1e-2,  # measured 3.4e-3 after 2 steps (experts never flipped)
@@ -223,7 +225,8 @@ _BF16 = {
     "probe_scaled": (2.5e-2, _BF16_CMD),
     "logits_abs": (1.7e-2, "scaled, " + _BF16_CMD),
     "logits_kl": (1.3e-4, _BF16_CMD),
-    "loss_rel": (3.6e-4, _BF16_CMD),
+    "loss_rel": (1.45e-3, "seq_aux of tiny-mla bf16 (router z-loss of mixtral-tiny bf16: 1.35e-3), "
+                 "python -m parity run --all --profile fast (init scale 8)"),
     "grad_rel_l2": (2.65e-2, _BF16_CMD),
     "step_loss_rel": (1.9e-3, _BF16_CMD),
     "step_param_rel_l2": (3.4e-3, _BF16_CMD),

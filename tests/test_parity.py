@@ -56,6 +56,26 @@ def test_routing_classification_near_tie_vs_real():
     assert checks.items[0]["name"] == "routing[0]" and not checks.items[0]["passed"]
 
 
+def test_routing_mismatch_downstream_of_a_near_tie_is_not_real():
+    """Two MoE layers, 2 sequences of 2 tokens. Layer 0: token 0 (sequence 0, position 0) flips
+    on a near-tie. Layer 1: tokens 1 (same sequence, later position) and 2 (sequence 1) disagree
+    with clear gaps: token 1 is downstream of the flip (counted with the near-ties), token 2 is a
+    real mismatch."""
+    cfg = load_config("tiny", overrides=["model.n_layers=2", "model.first_k_dense=0", "train.seq_len=2"])
+    near = [0.4, 0.3, 0.3 - 1e-7, 0.0, 0, 0, 0, 0.0]
+    clear = [0.5, 0.3, 0.1, 0.1, 0, 0, 0, 0.0]
+    scores = np.array([[near, clear, clear, clear], [clear, clear, clear, clear]], np.float32)
+    same = [[0, 1], [0, 1], [0, 1], [0, 1]]
+    jax_idx = np.array([same, same])
+    torch_idx = np.array([[[0, 2], [0, 1], [0, 1], [0, 1]], [[0, 1], [0, 2], [0, 2], [0, 1]]])
+    aux = lambda idx: {"router": {"topk_idx": idx, "scores": scores}}  # noqa: E731
+    checks = Checks()
+    summary = compare_routing(cfg, aux(jax_idx), aux(torch_idx), None, FLOAT32_ADAMW, checks)
+    assert (summary["near_tie"], summary["real"]) == (2, 1)
+    assert summary["layers"][1]["downstream"] == 1 and summary["layers"][1]["real"] == 1
+    assert checks.items[0]["passed"] and not checks.items[1]["passed"]
+
+
 def test_first_divergence_is_earliest_in_forward_order():
     c = Checks()
     c.add("loss:ce", "rel", 1.0, 0.1, stage="loss")
