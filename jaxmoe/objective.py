@@ -123,9 +123,14 @@ def make_grad_fn(cfg: Config, *, dispatch=None):
             return jax.tree.map(jnp.add, carry, out), None
 
         first = jax.tree.map(lambda x: x[0], (micro, forced))
-        shapes = jax.eval_shape(one, *first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        (grads, msum, counts), _ = jax.lax.scan(body, zeros, (micro, forced))
+        if n_micro == 1:
+            # one micro-batch: no accumulation (a zero-filled gradient tree plus one add would be
+            # two more passes over every gradient: docs/MEASUREMENTS.md, "train step")
+            grads, msum, counts = one(*first)
+        else:
+            shapes = jax.eval_shape(one, *first)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            (grads, msum, counts), _ = jax.lax.scan(body, zeros, (micro, forced))
 
         metrics = {}
         for k, v in msum.items():  # CE / z-loss are global sums already; the rest are means

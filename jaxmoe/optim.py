@@ -123,6 +123,14 @@ def decay_mask(groups, tcfg: TrainConfig) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
+def global_norm(tree) -> jax.Array:
+    """The fp32 L2 norm of all leaves of ``tree`` together. The train step's ``grad_norm`` and the
+    clipping below use this one expression, so XLA computes it once per step (common-
+    subexpression elimination merges the identical computations)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
+
+
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """Scale all gradients by ``min(1, max_norm / (global_norm + 1e-6))``.
 
@@ -133,8 +141,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        leaves = jax.tree_util.tree_leaves(updates)
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
+        norm = global_norm(updates)
         coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
         return jax.tree_util.tree_map(lambda g: (g * coef).astype(g.dtype), updates), state
 
@@ -382,6 +389,7 @@ __all__ = [
     "MuonState",
     "build_optimizer",
     "clip_by_global_norm",
+    "global_norm",
     "decay_mask",
     "lr_schedule",
     "muon",

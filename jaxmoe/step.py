@@ -20,6 +20,7 @@ from jaxmoe.errors import UserError
 from jaxmoe.losses import update_expert_bias
 from jaxmoe.model.transformer import init_params
 from jaxmoe.objective import make_grad_fn, model_loss
+from jaxmoe.optim import global_norm
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
     def step(state, batch):
         params, buffers = state["params"], state["buffers"]
         grads, metrics, counts = grads_fn(params, buffers, batch)
-        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
+        grad_norm = global_norm(grads)  # the same expression as the clipping's: computed once
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
 
         opt_state = state["opt_state"]

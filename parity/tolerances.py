@@ -139,7 +139,7 @@ BFLOAT16_FORCED = Tolerances(
     # measured 3.6e-4 (tiny, forced); 1.45e-3 (tiny-mla seq_aux) and 1.35e-3 (mixtral-tiny
     # router z-loss: mean logsumexp^2 of bf16-rounded router logits) in the init-scale-8 matrix
     loss_rel=5e-3,
-    grad_rel_l2=8e-2,  # measured 2.65e-2 (bf16 rounding of every activation, routing identical)
+    grad_rel_l2=8e-2,  # measured 2.65e-2 (tiny), 3.5e-2 (tiny-mla): bf16 rounding, routing identical
     step_loss_rel=5e-3,  # measured 1.9e-3
     step_param_rel_l2=1e-2,  # measured 3.4e-3 after 2 steps (experts never flipped)
     step_bias_abs=3e-2,  # measured 5.5e-3 (tiny-mla, 20 steps, init scale 1)
@@ -227,7 +227,7 @@ _BF16 = {
     "logits_kl": (1.3e-4, _BF16_CMD),
     "loss_rel": (1.45e-3, "seq_aux of tiny-mla bf16 (router z-loss of mixtral-tiny bf16: 1.35e-3), "
                  "python -m parity run --all --profile fast (init scale 8)"),
-    "grad_rel_l2": (2.65e-2, _BF16_CMD),
+    "grad_rel_l2": (3.5e-2, "tiny-mla bf16 forced (tiny: 2.65e-2), python -m parity run --all --profile fast"),
     "step_loss_rel": (1.9e-3, _BF16_CMD),
     "step_param_rel_l2": (3.4e-3, _BF16_CMD),
     "step_bias_abs": (5.5e-3, "tiny-mla bf16, 20 steps, init scale 1"),

@@ -45,6 +45,37 @@ def test_dot_product_kernel_equals_explicit(h, kv, d, dv):
     np.testing.assert_allclose(out_d[:, 0], jnp.repeat(v[:, 0], h // kv, axis=1), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("s_len,q_block", [(96, 32), (100, 32)])
+def test_explicit_kernel_query_blocks_equal_one_block(monkeypatch, s_len, q_block):
+    """The explicit kernel's causal query blocks (keys above the diagonal's blocks never scored)
+    give the single masked S x S softmax's output and gradients; a length that is not a multiple
+    of the block (100) runs as one block."""
+    from jaxmoe.model import attention
+
+    ks = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(ks[0], (2, s_len, 4, 16))
+    k = jax.random.normal(ks[1], (2, s_len, 2, 16))
+    v = jax.random.normal(ks[2], (2, s_len, 2, 16))
+    w = jax.random.normal(ks[3], (2, s_len, 4, 16))
+
+    def run(qb):
+        monkeypatch.setattr(attention, "_Q_BLOCK", qb)
+        f = lambda q, k, v: jnp.sum(attend(q, k, v, 0.25, "explicit") * w)  # noqa: E731
+        return jax.jit(lambda q, k, v: (attend(q, k, v, 0.25, "explicit"),
+                                        jax.grad(f, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+
+    (o1, g1), (ob, gb) = run(0), run(q_block)
+    assert _rel(ob, o1) <= 1e-6
+    for a, c in zip(gb, g1):
+        assert _rel(a, c) <= 1e-6
+    # the blocked form really is different work: fewer score entries than S x S
+    n_dots = lambda qb: str(jax.make_jaxpr(lambda q, k, v: attend(q, k, v, 0.25, "explicit"))(q, k, v)).count("dot_general")  # noqa: E731
+    monkeypatch.setattr(attention, "_Q_BLOCK", q_block)
+    blocked = n_dots(q_block)
+    expected = 2 * (s_len // q_block) if s_len % q_block == 0 else 2
+    assert blocked == expected
+
+
 def test_dot_product_kernel_bf16():
     ks = jax.random.split(jax.random.key(1), 3)
     q, k, v = (jax.random.normal(kk, (2, 16, 4, 16)) for kk in ks)

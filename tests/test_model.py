@@ -91,7 +91,7 @@ def _rel(a, b):
     return float(jnp.linalg.norm((a - b).ravel()) / max(float(jnp.linalg.norm(b.ravel())), 1e-30))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("tiny-mla", marks=pytest.mark.slow)])  # CI time
 def test_paths_give_equal_logits_and_grads(name):
     batch = _batch()
     results = {}
@@ -173,17 +173,18 @@ def test_bf16_runs():
     assert all(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(g16))
 
 
-def test_remat_modes_match_none():
+@pytest.mark.parametrize("mode", ["full", pytest.param("save_dots", marks=pytest.mark.slow),
+                                  pytest.param("offload", marks=pytest.mark.slow)])  # CI time
+def test_remat_modes_match_none(mode):
     batch = _batch()
     cfg = _cfg("tiny")
     params, buffers = init_params(cfg, 0)
     l0, _, _, g0 = _loss_and_grads(cfg, params, buffers, batch)
-    for mode in ("full", "save_dots", "offload"):
-        cfg_m = _cfg("tiny", f"train.remat={mode}")
-        l, _, _, g = _loss_and_grads(cfg_m, params, buffers, batch)
-        assert _rel(l, l0) <= 1e-6, mode
-        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
-            assert _rel(a, b) <= 1e-5, mode
+    cfg_m = _cfg("tiny", f"train.remat={mode}")
+    l, _, _, g = _loss_and_grads(cfg_m, params, buffers, batch)
+    assert _rel(l, l0) <= 1e-6, mode
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+        assert _rel(a, b) <= 1e-5, mode
 
 
 def test_nnx_module_matches_functional():

@@ -50,7 +50,7 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mla"])
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-mla", marks=pytest.mark.slow)])  # CI time
 def test_grad_accumulation_equals_full_batch(preset):
     from jaxmoe.model.transformer import init_params
     from jaxmoe.train import make_grad_fn
@@ -82,6 +82,7 @@ def test_grad_accumulation_equals_full_batch(preset):
         assert _rel(b, a) <= 1e-6, (jax.tree_util.keystr(path), _rel(b, a))
 
 
+@pytest.mark.slow  # CI time (58 s): test_reliability.py's SIGTERM test resumes bit-exactly too
 def test_resume_is_bit_exact(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     common = ["--preset", "tiny-mla", "--set", "train.eval_every=0", "--set", "train.batch_size=4",

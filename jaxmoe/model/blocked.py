@@ -41,9 +41,10 @@ def _varying_zeros(shape, dtype, *like):
 
 # Rows per matmul: an expert's blocks are processed in runs of ``_RUN_ROWS // block_size`` blocks
 # while they fit, then at most one run each of half, a quarter, ... of that for what is left of
-# the group. Small matmuls run well below a large one's GFLOP/s on XLA:CPU; why 256, see
-# docs/MEASUREMENTS.md ("blocked path").
-_RUN_ROWS = 256
+# the group. Small matmuls run well below a large one's GFLOP/s on XLA:CPU; why this size, see
+# docs/MEASUREMENTS.md ("blocked path"; 512 since the train-step A/B of issue 16: +9% tokens/s
+# on the coarse shape, whose experts get ~512 rows each; groups under 512 rows run as before).
+_RUN_ROWS = 512
 
 
 def _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, carry):
