@@ -99,18 +99,9 @@ def variants(dry: bool) -> list[dict]:
 
 
 def matmul_peak(n: int, dtype: str = "bfloat16", reps: int = 10) -> float:
-    import jax
-    import jax.numpy as jnp
+    from jaxmoe.step import measure_matmul_peak
 
-    a = jnp.ones((n, n), getattr(jnp, dtype))
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return measure_matmul_peak(n, dtype, reps)
 
 
 def _peak_bytes() -> int | None:

@@ -67,18 +67,9 @@ def batch_np(seed=0):
 
 
 def matmul_peak(n=2048, reps=5) -> float:
-    import jax
-    import jax.numpy as jnp
+    from jaxmoe.step import measure_matmul_peak
 
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return measure_matmul_peak(n, "float32", reps)
 
 
 # -- the systems: each returns a callable doing one train step on a fixed batch ----------------

@@ -160,6 +160,21 @@ def make_eval_step(cfg: Config, *, dispatch=None):
 _PEAK = {"h200": 989e12, "h100": 989e12, "gh200": 989e12, "a100": 312e12, "b200": 2250e12, "gb200": 2500e12}
 
 
+def measure_matmul_peak(n: int = 2048, dtype: str = "float32", reps: int = 5) -> float:
+    """FLOP/s of a jitted ``[n, n] @ [n, n]`` matmul in ``dtype`` on the default device: the best
+    of ``reps`` timed calls after one untimed call (compilation). The one matmul timer of the
+    trainer's MFU and of ``bench/`` (train_step.py, gpu.py)."""
+    a = jnp.ones((n, n), getattr(jnp, dtype))
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
 def device_peak_flops(dtype: str) -> tuple[float, str]:
     """Peak FLOP/s of one device and where it came from (table for GPUs; measured on CPU)."""
 
@@ -169,18 +184,8 @@ def device_peak_flops(dtype: str) -> tuple[float, str]:
         if name in kind.replace(" ", ""):
             return (peak if dtype == "bfloat16" else peak / 2), f"table:{kind}"
     # CPU (or unknown): measure a large fp32 matmul once; MFU is then relative to that.
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t0 = time.perf_counter()
-    reps = 5
-    for _ in range(reps):
-        out = f(a)
-    out.block_until_ready()
-    dt = (time.perf_counter() - t0) / reps
-    return 2 * n**3 / dt, f"measured-matmul:{kind or dev.platform}"
+    return measure_matmul_peak(1024, "float32", 5), f"measured-matmul:{kind or dev.platform}"
 
 
-__all__ = ["HOST_KIND", "device_peak_flops", "init_state", "make_eval_step", "make_train_step",
+__all__ = ["HOST_KIND", "device_peak_flops", "init_state", "measure_matmul_peak", "make_eval_step", "make_train_step",
            "opt_init_fn", "state_shardings"]
