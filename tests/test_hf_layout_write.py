@@ -19,7 +19,6 @@ import pytest
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
-from jaxmoe.hfconfig import to_hf_config
 from jaxmoe.port.convert import convert, parse_endpoint
 from jaxmoe.port.logits import compare_logits, compute_logits
 from jaxmoe.port.safetensors_io import SafetensorsReader
@@ -28,25 +27,15 @@ from jaxmoe.port.sources import TensorSource
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_models import random_hf_model, same_tensors  # noqa: E402
+
 PRESETS = ["tiny", "mixtral-tiny", "tiny-mla"]
 TOL = {"kl": 1e-6, "max_abs": 1e-4}
 
 
 def _hf_model(cfg, seed: int):
     """A random transformers model of ``cfg``'s family; weights x4 so logits are decisive."""
-    d = to_hf_config(cfg)
-    arch = d["architectures"][0]
-    hcfg = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(d)
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(hcfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.mul_(4.0)
-        for name, b in list(model.named_parameters()) + list(model.named_buffers()):
-            if "e_score_correction_bias" in name:
-                b.copy_(torch.randn_like(b) * 0.1)
-    return model
+    return random_hf_model(cfg, seed, weight_scale=4.0)
 
 
 class _Saved(dict):
@@ -75,14 +64,7 @@ def _shapes(d: Path) -> dict:
     return {n: tuple(r.shape(n)) for n in r.names()}
 
 
-def _same_tensors(a: Path, b: Path) -> int:
-    ra, rb = SafetensorsReader(a), SafetensorsReader(b)
-    assert sorted(ra.names()) == sorted(rb.names())
-    for n in ra.names():
-        x, y = ra.get(n), rb.get(n)
-        assert x.dtype == y.dtype and x.shape == y.shape, n
-        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), n  # bit-exact
-    return len(ra.names())
+_same_tensors = same_tensors
 
 
 @pytest.mark.parametrize("preset", PRESETS)

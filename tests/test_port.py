@@ -20,6 +20,7 @@ from jaxmoe.port import hf_map
 from jaxmoe.port.convert import convert, parse_endpoint
 from jaxmoe.port.logits import compare_logits, compute_logits
 from jaxmoe.port.safetensors_io import SafetensorsReader, write_tensors
+from hf_models import random_hf_model, same_tensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,22 +33,7 @@ def ep(text: str):
 
 
 def _hf_model(cfg, seed=0):
-    from jaxmoe.hfconfig import to_hf_config
-
-    d = to_hf_config(cfg)
-    arch = d["architectures"][0]
-    hcfg = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(d)
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(hcfg).eval()
-    # random init leaves the expert bias at zero; give it values so the mapping is exercised
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "e_score_correction_bias" in name:
-                p.copy_(torch.randn_like(p) * 0.1)
-    for name, b in model.named_buffers():
-        if "e_score_correction_bias" in name:
-            b.copy_(torch.randn_like(b) * 0.1)
-    return model
+    return random_hf_model(cfg, seed)
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +49,7 @@ def hf_dirs(tmp_path_factory):
     return out
 
 
-def _same_tensors(a: Path, b: Path):
-    ra, rb = SafetensorsReader(a), SafetensorsReader(b)
-    assert sorted(ra.names()) == sorted(rb.names())
-    for n in ra.names():
-        x, y = ra.get(n), rb.get(n)
-        assert x.dtype == y.dtype and x.shape == y.shape, n
-        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), n  # bit-exact
-    return len(ra.names())
+_same_tensors = same_tensors
 
 
 # --------------------------------------------------------------------------------------------
