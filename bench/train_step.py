@@ -1,7 +1,7 @@
 """Train-step throughput side by side: jaxmoe vs HF transformers (eager and torch.compile) vs
 torch_ref, and a measured fp32 matmul peak, in ONE run.
 
-    python bench/train_step.py [--shape coarse|fine|all] [--rounds 2] [--steps 3] [--skip SYSTEMS] [--json]
+    python bench/train_step.py [--shape coarse|fine|all] [--rounds 3] [--steps 3] [--skip SYSTEMS] [--json]
 
 Shapes (fwd + bwd + AdamW, B=8, S=256, vocab 8192, d_model 512, 4 layers, 8 heads / 4 KV heads,
 head_dim 64, fp32, aux losses off, global-norm clipping 1.0 on every system):
@@ -9,16 +9,22 @@ head_dim 64, fp32, aux losses off, global-norm clipping 1.0 on every system):
 * ``coarse``: 8 experts top-2, expert FFN 1024 -- HF ``MixtralForCausalLM``;
 * ``fine``: 64 experts top-8, expert FFN 256, QK-norm -- HF ``Qwen3MoeForCausalLM``.
 
-Systems: ``jaxmoe`` (the jitted train step of ``jaxmoe.step``, the ``blocked`` expert path,
-cross-entropy chunked by 1024 tokens (``train.ce_chunk_tokens``), after warm-up), ``hf_eager`` and ``hf_compile`` (the transformers model with ``torch.optim.AdamW``,
-eager and under ``torch.compile``; a compile failure is reported, not hidden), ``torch_ref`` (the
-reference's own train step). Every system runs one untimed step first (compilation, warm-up);
-each round then times ``--steps`` steps of every system, the order alternating between rounds
-(and a matmul peak before and after each round); a system's figure is the median over rounds
-(range beside it), the ratios are per round (median and range). Defaults sized for ~6 minutes
-for ``--shape all`` on the 2-core machine. MFU = tokens/s x FLOPs per token / matmul peak, FLOPs per token from
-``jaxmoe.counting.flops_per_token`` (6 x active matmul parameters without the input embedding,
-plus causal attention). ``ratio_to_best_peer``: jaxmoe tokens/s over the best torch system.
+Systems: ``jaxmoe`` (the jitted train step of ``jaxmoe.step``: the ``blocked`` expert path with
+64-row blocks, cross-entropy chunked by 1024 tokens (``train.ce_chunk_tokens``), the 4 layers
+unrolled (``train.scan_unroll=0``), jaxmoe's host allocator setting as ``jaxmoe train`` applies
+it), ``hf_eager`` and ``hf_compile`` (the transformers model with ``torch.optim.AdamW``, eager and
+under ``torch.compile``; a compile failure is reported, not hidden), ``torch_ref`` (the
+reference's own train step). Each system lives in its own worker process (two runtimes in one
+process slow each other down; see ``bench_shape``) and runs three untimed steps first
+(compilation, warm-up); each round then times ``--steps`` steps of every system, one at a time,
+the order alternating between rounds (and a matmul peak before and after each round); a
+system's figure is the median over rounds (range beside it), the ratios are per round (median
+and range). ~6 minutes for ``--shape all`` on the 2-core machine. MFU = tokens/s x FLOPs per
+token / matmul peak, FLOPs per token from ``jaxmoe.counting.flops_per_token`` (6 x active matmul
+parameters without the input embedding, plus causal attention). ``ratio_to_best_peer``: jaxmoe
+tokens/s over the best torch system. With both shapes, ``fine_over_coarse_at_equal_flops``: each
+system's fine tokens/s over its coarse tokens/s, scaled by the FLOPs per token. ``per_step_os``:
+each worker's kernel CPU seconds and page faults per step.
 Figures are reported, never asserted.
 """
 
@@ -27,11 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
 
-import numpy as np
+# numpy (and every library that starts threads) is imported inside the functions: a worker must
+# apply jaxmoe's allocator setting before any thread allocates (jaxmoe/host_alloc.py)
 
 B, S, V, D, L, H, KV, HD = 8, 256, 8192, 512, 4, 8, 4, 64
 SHAPES = {
@@ -56,11 +64,19 @@ def jax_config(shape: str, extra=()):
         # CE fused with the LM head in 1024-token chunks: same FLOPs, -19% bytes, -20% CPU time
         # of CE fwd+bwd at this shape (docs/MEASUREMENTS.md "Performance and memory-lean kernels")
         "train.ce_chunk_tokens": 1024,
+        # 4 layers: no layer loop, so no stacked per-layer buffers (+4% coarse, +14% fine by
+        # interleaved A/B, docs/MEASUREMENTS.md)
+        "train.scan_unroll": 0,
+        # blocked path: groups padded to 64 rows, not the tiny presets' 8 (fewer, larger tail runs:
+        # +12% coarse, +9% fine by interleaved A/B; 32 and 128 were not faster)
+        "moe.block_size": 64,
     }
     return load_config(s["preset"], overrides=[f"{k}={v}" for k, v in sets.items()] + list(extra))
 
 
 def batch_np(seed=0):
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, V, (B, S + 1)).astype(np.int32)
     return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones((B, S), np.float32)}
@@ -118,7 +134,7 @@ def make_hf(cfg, compiled: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1)
     b = batch_np()
-    inputs, targets = torch.from_numpy(b["inputs"].astype(np.int64)), torch.from_numpy(b["targets"].astype(np.int64))
+    inputs, targets = torch.from_numpy(b["inputs"].astype("int64")), torch.from_numpy(b["targets"].astype("int64"))
 
     def loss_fn():
         logits = model(input_ids=inputs).logits
@@ -146,47 +162,138 @@ def make_torch_ref(cfg):
     model = TorchTransformer(cfg, seed=0)
     opt = make_optimizer(model, cfg)
     sched = make_scheduler(opt, cfg)
-    b = {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v) for k, v in batch_np().items()}
+    b = {k: torch.from_numpy(v.astype("int64") if v.dtype == "int32" else v) for k, v in batch_np().items()}
     return (lambda: train_step(model, opt, sched, b, cfg)["loss"]), lambda x: x
 
 
+SETTLE_S = 10.0
+
+MAKERS = {"jaxmoe": make_jaxmoe, "hf_eager": lambda cfg: make_hf(cfg, False),
+          "hf_compile": lambda cfg: make_hf(cfg, True), "torch_ref": make_torch_ref}
+
+
+def _worker(shape: str, name: str, sets, conn) -> None:
+    """One system in its own process: build it, run the untimed first step, then answer
+    ``("time", steps)`` with tokens/s and the process's kernel time and page faults per step, ``("peak", None)`` with the matmul peak (the ``peak``
+    worker), ``("stop", None)`` by returning. Every failure is sent back as ``("error", line)``."""
+    try:
+        if name in ("jaxmoe", "peak"):  # what `jaxmoe train` does at start-up (jaxmoe/host_alloc.py)
+            from jaxmoe.host_alloc import keep_freed_memory
+
+            keep_freed_memory()
+        if name == "peak":
+            conn.send(("ready", {}))
+        else:
+            if name != "jaxmoe":
+                import torch
+
+                torch.set_num_threads(os.cpu_count() or 1)
+            run, sync = MAKERS[name](jax_config(shape, sets))
+            t = time.perf_counter()
+            sync(run())  # compilation
+            first = time.perf_counter() - t
+            for _ in range(2):  # and two more untimed steps: the heap reaches its peak size
+                sync(run())
+            conn.send(("ready", {"first_step_s": round(first, 2)}))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "stop":
+                return
+            if cmd == "peak":
+                conn.send(("ok", matmul_peak()))
+                continue
+            r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            for _ in range(arg):
+                out = run()
+            sync(out)
+            dt, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+            conn.send(("ok", (arg * B * S / dt, {  # per step: kernel time and page faults
+                "sys_s": (r1.ru_stime - r0.ru_stime) / arg, "minflt": (r1.ru_minflt - r0.ru_minflt) / arg})))
+    except Exception as e:  # noqa: BLE001 - a system that does not run here is reported
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        conn.send(("error", f"{type(e).__name__}: {msg}"))
+
+
+class _System:
+    """A worker process holding one system; ``call`` sends one command and waits for its answer."""
+
+    def __init__(self, ctx, shape, name, sets):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(shape, name, tuple(sets), child), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = self._answer()
+
+    def _answer(self):
+        try:
+            kind, val = self.conn.recv()
+        except EOFError:
+            kind, val = "error", f"worker exited with code {self.proc.join(5) or self.proc.exitcode}"
+        if kind == "error":
+            raise RuntimeError(val)
+        return val
+
+    def call(self, cmd, arg=None):
+        self.conn.send((cmd, arg))
+        return self._answer()
+
+    def close(self):
+        try:
+            self.conn.send(("stop", None))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> dict:
-    import torch
+    """Every system (and the matmul timer) in its own worker process, built and warmed up one
+    after the other, then timed round by round, one system at a time, the order alternating.
+
+    Separate processes because two runtimes in one process slow each other down: with HF and
+    torch_ref in the same process, jaxmoe's compiled step ran 1138 tok/s on the coarse shape
+    against 1499 alone, and on the earlier machine its fine figure fell from 371 to 272 over
+    the rounds (docs/MEASUREMENTS.md). A user runs one framework per process; so does this.
+    """
+    import multiprocessing as mp
 
     from jaxmoe.counting import flops_per_token
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    cfg = jax_config(shape, sets)
-    fpt = flops_per_token(cfg)
-    systems, notes = {}, {}
-    makers = {"jaxmoe": lambda: make_jaxmoe(cfg), "hf_eager": lambda: make_hf(cfg, False),
-              "hf_compile": lambda: make_hf(cfg, True), "torch_ref": lambda: make_torch_ref(cfg)}
-    for name, make in makers.items():
-        if name in skip:
-            notes[name] = {"skipped": "--skip"}
-            continue
-        try:
-            run, sync = make()
-            t = time.perf_counter()
-            sync(run())  # warm-up (compilation)
-            notes[name] = {"first_step_s": round(time.perf_counter() - t, 2)}
-            systems[name] = (run, sync)
-        except Exception as e:  # noqa: BLE001 - a system that does not run here is reported
-            notes[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
-            log(f"{shape}: {name} did not run: {notes[name]['error']}")
-    peaks, tok = [], {n: [] for n in systems}
-    for r in range(rounds):
-        order = list(systems) if r % 2 == 0 else list(reversed(systems))
-        peaks.append(matmul_peak())
-        for name in order:
-            run, sync = systems[name]
-            t = time.perf_counter()
-            for _ in range(steps):
-                out = run()
-            sync(out)
-            tok[name].append(steps * B * S / (time.perf_counter() - t))
-        peaks.append(matmul_peak())
-        log(f"{shape} round {r + 1}: " + ", ".join(f"{n} {tok[n][-1]:.0f}" for n in order) + " tok/s")
+    ctx = mp.get_context("spawn")
+    fpt = flops_per_token(jax_config(shape, sets))
+    workers, notes = {}, {}
+    try:
+        workers["peak"] = _System(ctx, shape, "peak", sets)
+        for name in MAKERS:
+            if name in skip:
+                notes[name] = {"skipped": "--skip"}
+                continue
+            try:
+                w = _System(ctx, shape, name, sets)
+            except RuntimeError as e:
+                notes[name] = {"error": str(e)}
+                log(f"{shape}: {name} did not run: {e}")
+                continue
+            workers[name], notes[name] = w, w.ready
+        systems = [n for n in workers if n != "peak"]
+        # let what the builds left running in the background settle (torch.compile's worker pool):
+        # without this pause every system's first round ran 10-45% below the later ones
+        time.sleep(SETTLE_S)
+        peaks, tok, per_step = [], {n: [] for n in systems}, {}
+        for r in range(rounds):
+            order = systems if r % 2 == 0 else systems[::-1]
+            peaks.append(workers["peak"].call("peak"))
+            for name in order:
+                tps, os_use = workers[name].call("time", steps)
+                tok[name].append(tps)
+                for k, v in os_use.items():
+                    per_step.setdefault(name, {}).setdefault(k, []).append(v)
+            peaks.append(workers["peak"].call("peak"))
+            log(f"{shape} round {r + 1}: " + ", ".join(f"{n} {tok[n][-1]:.0f}" for n in order) + " tok/s")
+    finally:
+        for w in workers.values():
+            w.close()
     peak = statistics.median(peaks)
     res = {"tokens_per_s": {n: statistics.median(v) for n, v in tok.items()},
            "tokens_per_s_range": {n: [min(v), max(v)] for n, v in tok.items()},
@@ -194,7 +301,11 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
            "mfu": {n: statistics.median(v) * fpt / peak for n, v in tok.items()},
            "mfu_range": {n: [min(v) * fpt / max(peaks), max(v) * fpt / min(peaks)] for n, v in tok.items()},
            "matmul_peak_gflops": peak / 1e9, "matmul_peak_gflops_range": [min(peaks) / 1e9, max(peaks) / 1e9],
-           "flops_per_token": fpt, "rounds": rounds, "steps_per_round": steps, "notes": notes}
+           "flops_per_token": fpt, "rounds": rounds, "steps_per_round": steps, "notes": notes,
+           "processes": "one worker process per system",
+           # medians over rounds of each worker's kernel (system) CPU seconds and minor page
+           # faults per step: the host allocator's churn shows here (jaxmoe/host_alloc.py)
+           "per_step_os": {n: {k: statistics.median(v) for k, v in d.items()} for n, d in per_step.items()}}
     peers = {n: v for n, v in res["tokens_per_s"].items() if n != "jaxmoe"}
     if "jaxmoe" in res["tokens_per_s"] and peers:
         best = max(peers, key=peers.get)
@@ -214,7 +325,7 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=("coarse", "fine", "all"), default="all")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
     p.add_argument("--skip", default="", help="comma-separated systems not to run (e.g. hf_compile)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -226,11 +337,19 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     skip = tuple(x for x in args.skip.split(",") if x)
     out = {s: bench_shape(s, args.rounds, args.steps, log, skip, args.set) for s in shapes}
+    if "coarse" in out and "fine" in out:  # fine-grained over coarse tokens/s at equal FLOPs per token
+        c, f = out["coarse"], out["fine"]
+        out["fine_over_coarse_at_equal_flops"] = {
+            n: f["tokens_per_s"][n] * f["flops_per_token"] / (c["tokens_per_s"][n] * c["flops_per_token"])
+            for n in c["tokens_per_s"] if n in f["tokens_per_s"]}
     log(f"bench wall time {time.perf_counter() - t0:.0f}s")
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         for s, r in out.items():
+            if s not in SHAPES:
+                print(f"{s}: " + ", ".join(f"{n} {v:.2f}" for n, v in r.items()))
+                continue
             print(f"{s}: matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s")
             for n, v in r["tokens_per_s"].items():
                 lo, hi = r["tokens_per_s_range"][n]

@@ -171,6 +171,9 @@ def _recorded_source(out: Path):
 
 
 def run(args) -> int:
+    from jaxmoe.host_alloc import keep_freed_memory
+
+    keep_freed_memory()  # before jax starts its threads (see the module doc)
     cfg, out, src = resolve_config(args)
     mesh_ctx = None
     if (getattr(args, "mesh", None) or getattr(args, "coordinator", None) or _wants_mesh(cfg)

@@ -30,8 +30,22 @@ _PROBE = textwrap.dedent(
     during = libc.mallinfo2()
     libc.free(p)
     after = libc.mallinfo2()
+    # A thread's first allocation: with M_ARENA_MAX=1 it comes from the main arena; by default
+    # glibc gives the thread an arena of its own. malloc_info lists one <heap> per arena.
+    import tempfile, threading
+    t = threading.Thread(target=lambda: libc.free(libc.malloc(1 << 20)))
+    t.start(); t.join()
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+        fp = libc.fopen(f.name.encode(), b"w")
+        libc.malloc_info(0, fp)
+        libc.fclose(fp)
+        arenas = open(f.name).read().count("<heap nr=")
     print(first, second, during.hblks - before.hblks, during.arena - before.arena >= (48 << 20),
-          after.arena >= during.arena)
+          after.arena >= during.arena, arenas)
     """
 )
 
@@ -46,14 +60,15 @@ def _probe(env_extra):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc setting")
 def test_keep_freed_memory_serves_big_blocks_from_the_heap_and_keeps_them():
-    first, second, new_mmaps, heap_grew, kept = _probe({"JAXMOE_SYSTEM_MALLOC": ""})
+    first, second, new_mmaps, heap_grew, kept, arenas = _probe({"JAXMOE_SYSTEM_MALLOC": ""})
     assert (first, second) == ("True", "True")  # applied, and idempotent
     assert new_mmaps == "0" and heap_grew == "True" and kept == "True"
+    assert arenas == "1"  # the thread allocated from the main arena
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc setting")
 def test_opt_out_leaves_the_system_allocator_alone():
-    first, second, new_mmaps, heap_grew, kept = _probe({"JAXMOE_SYSTEM_MALLOC": "1"})
+    first, second, new_mmaps, heap_grew, kept, arenas = _probe({"JAXMOE_SYSTEM_MALLOC": "1"})
     assert (first, second) == ("False", "False")
-    # glibc's default serves a 64 MiB block with its own mmap
-    assert new_mmaps == "1" and heap_grew == "False"
+    # glibc's default serves a 64 MiB block with its own mmap, and gives a thread its own arena
+    assert new_mmaps == "1" and heap_grew == "False" and int(arenas) >= 2

@@ -194,3 +194,42 @@ def test_nnx_module_matches_functional():
     assert param_count(params) == count_params(cfg)["total_params"]
     tok = _batch()["inputs"]
     np.testing.assert_array_equal(model(tok)[0], apply_model(cfg, params, buffers, tok)[0])
+
+
+def _layer_scan_unrolls(cfg, params, buffers):
+    """The ``unroll`` of every scan over the layer stack in the model's jaxpr."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan" and eqn.params["length"] == cfg.model.n_layers:
+                found.append(eqn.params["unroll"])
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                    if hasattr(sub, "jaxpr"):
+                        walk(getattr(sub.jaxpr, "jaxpr", sub.jaxpr))
+
+    tokens = jnp.zeros((B, S), jnp.int32)
+    walk(jax.make_jaxpr(lambda p: apply_model(cfg, p, buffers, tokens)[0])(params).jaxpr)
+    return found
+
+
+def test_scan_unroll_matches_rolled_scan():
+    """train.scan_unroll: every layer unrolled (0) and 2 layers per iteration of a 3-layer stack
+    (one iteration and a remainder) give the rolled scan's loss and every gradient."""
+    batch = _batch()
+    cfg = _cfg("tiny", "model.n_layers=3")
+    params, buffers = init_params(cfg, 0)
+    l0, _, _, g0 = _loss_and_grads(cfg, params, buffers, batch)
+    assert _layer_scan_unrolls(cfg, params, buffers) == [1]
+    ref = jax.tree_util.tree_flatten_with_path(g0)[0]
+    for unroll in (0, 2):
+        l, _, _, g = _loss_and_grads(_cfg("tiny", "model.n_layers=3", f"train.scan_unroll={unroll}"),
+                                     params, buffers, batch)
+        assert _rel(l, l0) <= 1e-6, unroll
+        assert _layer_scan_unrolls(_cfg("tiny", "model.n_layers=3", f"train.scan_unroll={unroll}"),
+                                   params, buffers) == [unroll or 3]
+        got = jax.tree_util.tree_flatten_with_path(g)[0]
+        assert [p for p, _ in got] == [p for p, _ in ref]
+        for (path, a), (_, b) in zip(got, ref):
+            assert _rel(a, b) <= 1e-6, (unroll, jax.tree_util.keystr(path), _rel(a, b))

@@ -133,9 +133,11 @@ def _remat(fn: Callable, mode: str) -> Callable:
     raise ValueError(f"unknown train.remat {mode!r}")
 
 
-def _scan_layers(layers: nnx.Module, x, xs_extra, body_kw, mode, return_probes, cos, sin):
-    """Run a stacked layer module over ``x`` with ``jax.lax.scan`` over its split state."""
+def _scan_layers(layers: nnx.Module, x, xs_extra, body_kw, mode, unroll, return_probes, cos, sin):
+    """Run a stacked layer module over ``x`` with ``jax.lax.scan`` over its split state,
+    ``unroll`` layers per iteration (``train.scan_unroll``; 0 = all of them)."""
     graphdef, state = nnx.split(layers)
+    n = jax.tree.leaves(state)[0].shape[0]
 
     def body(x, xs):
         layer_state, forced = xs
@@ -148,7 +150,7 @@ def _scan_layers(layers: nnx.Module, x, xs_extra, body_kw, mode, return_probes, 
             out["attn_out"], out["ffn_out"] = a, f
         return x, out
 
-    return jax.lax.scan(_remat(body, mode), x, (state, xs_extra))
+    return jax.lax.scan(_remat(body, mode), x, (state, xs_extra), unroll=min(unroll or n, n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ class Transformer(nnx.Module):
         cos, sin = rope_tables(m, s)
         x = self.embed(tokens).astype(dtype)
         probes: dict = {"embedding": x} if return_probes else {}
-        kw = dict(mode=cfg.train.remat, return_probes=return_probes, cos=cos, sin=sin)
+        kw = dict(mode=cfg.train.remat, unroll=cfg.train.scan_unroll, return_probes=return_probes, cos=cos, sin=sin)
         attn_outs = []
         if m.first_k_dense > 0:
             x, ys = _scan_layers(self.dense, x, None, {}, **kw)
