@@ -13,8 +13,11 @@ expert, which is what a dispatcher receives):
     the only single-device path that drops. No grouped form: not under a mesh (there, dropping
     is ``mesh.a2a_capacity_factor``).
 ``ragged``
-    Sort assignments by expert, then ``jax.lax.ragged_dot`` per projection (dropless). Good on
-    GPU/TPU; slow on XLA:CPU (docs/MEASUREMENTS.md).
+    Sort assignments by expert, then ``jax.lax.ragged_dot`` per projection (dropless). Native on
+    TPU. Elsewhere (jax 0.10-0.11) ``ragged_dot`` is lowered densely, through a ``[E, rows, K]``
+    masked copy of its operand: E times the memory and FLOPs of the work (on an H200 the fine
+    benchmark shape asked for one 32 GiB buffer, = 64 x 131072 x 2048 bf16), so use ``blocked``
+    on CPU and GPU (docs/MEASUREMENTS.md).
 ``blocked``
     Dropless and fast on CPU: block-padded per-expert runs of plain matmuls with a hand-written
     backward (:mod:`jaxmoe.model.blocked`).
