@@ -30,6 +30,11 @@ _PROBE = textwrap.dedent(
     during = libc.mallinfo2()
     libc.free(p)
     after = libc.mallinfo2()
+    # Freeing more than 2 GiB at once must not trim the heap either (a train step does; a
+    # positive int threshold tops out at 2 GiB). The block is never touched: address space only.
+    big = libc.malloc(3 << 30)
+    libc.free(big)
+    big_kept = libc.mallinfo2().arena >= (3 << 30)
     # A thread's first allocation: with M_ARENA_MAX=1 it comes from the main arena; by default
     # glibc gives the thread an arena of its own. malloc_info lists one <heap> per arena.
     import tempfile, threading
@@ -45,7 +50,7 @@ _PROBE = textwrap.dedent(
         libc.fclose(fp)
         arenas = open(f.name).read().count("<heap nr=")
     print(first, second, during.hblks - before.hblks, during.arena - before.arena >= (48 << 20),
-          after.arena >= during.arena, arenas)
+          after.arena >= during.arena, arenas, big_kept)
     """
 )
 
@@ -60,15 +65,16 @@ def _probe(env_extra):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc setting")
 def test_keep_freed_memory_serves_big_blocks_from_the_heap_and_keeps_them():
-    first, second, new_mmaps, heap_grew, kept, arenas = _probe({"JAXMOE_SYSTEM_MALLOC": ""})
+    first, second, new_mmaps, heap_grew, kept, arenas, big_kept = _probe({"JAXMOE_SYSTEM_MALLOC": ""})
     assert (first, second) == ("True", "True")  # applied, and idempotent
     assert new_mmaps == "0" and heap_grew == "True" and kept == "True"
+    assert big_kept == "True"  # a 3 GiB free did not trim the heap
     assert arenas == "1"  # the thread allocated from the main arena
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc setting")
 def test_opt_out_leaves_the_system_allocator_alone():
-    first, second, new_mmaps, heap_grew, kept, arenas = _probe({"JAXMOE_SYSTEM_MALLOC": "1"})
+    first, second, new_mmaps, heap_grew, kept, arenas, big_kept = _probe({"JAXMOE_SYSTEM_MALLOC": "1"})
     assert (first, second) == ("False", "False")
     # glibc's default serves a 64 MiB block with its own mmap, and gives a thread its own arena
     assert new_mmaps == "1" and heap_grew == "False" and int(arenas) >= 2
