@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
-import time
 
 
 def main(argv=None) -> int:
@@ -28,17 +26,14 @@ def main(argv=None) -> int:
 
         print(f"host allocator setting applied: {keep_freed_memory()}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_step import jax_config, make_jaxmoe
+    from train_step import jax_config, make_jaxmoe, timed_steps
 
     run, sync = make_jaxmoe(jax_config(args.shape))
     for _ in range(3):
         sync(run())
     for i in range(args.steps):
-        r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        sync(run())
-        dt, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
-        print(f"step {i}: wall {dt:.3f}s user {r1.ru_utime - r0.ru_utime:.2f}s "
-              f"sys {r1.ru_stime - r0.ru_stime:.2f}s minor faults {r1.ru_minflt - r0.ru_minflt}")
+        dt, os_use = timed_steps(run, sync, 1)
+        print(f"step {i}: wall {dt:.3f}s user {os_use['user_s']:.2f}s sys {os_use['sys_s']:.2f}s minor faults {os_use['minflt']:.0f}")
     return 0
 
 

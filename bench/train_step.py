@@ -24,7 +24,7 @@ token / matmul peak, FLOPs per token from ``jaxmoe.counting.flops_per_token`` (6
 parameters without the input embedding, plus causal attention). ``ratio_to_best_peer``: jaxmoe
 tokens/s over the best torch system. With both shapes, ``fine_over_coarse_at_equal_flops``: each
 system's fine tokens/s over its coarse tokens/s, scaled by the FLOPs per token. ``per_step_os``:
-each worker's kernel CPU seconds and page faults per step.
+each worker's user and kernel CPU seconds and page faults per step.
 Figures are reported, never asserted.
 """
 
@@ -172,10 +172,23 @@ MAKERS = {"jaxmoe": make_jaxmoe, "hf_eager": lambda cfg: make_hf(cfg, False),
           "hf_compile": lambda cfg: make_hf(cfg, True), "torch_ref": make_torch_ref}
 
 
+def timed_steps(run, sync, steps: int) -> tuple[float, dict]:
+    """Run ``steps`` steps; wall seconds and, per step, the process's user and kernel CPU seconds
+    and minor page faults (``getrusage``). Shared with ``bench/step_faults.py``."""
+    r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for _ in range(steps):
+        out = run()
+    sync(out)
+    dt, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    return dt, {"user_s": (r1.ru_utime - r0.ru_utime) / steps, "sys_s": (r1.ru_stime - r0.ru_stime) / steps,
+                "minflt": (r1.ru_minflt - r0.ru_minflt) / steps}
+
+
 def _worker(shape: str, name: str, sets, conn) -> None:
-    """One system in its own process: build it, run the untimed first step, then answer
-    ``("time", steps)`` with tokens/s and the process's kernel time and page faults per step, ``("peak", None)`` with the matmul peak (the ``peak``
-    worker), ``("stop", None)`` by returning. Every failure is sent back as ``("error", line)``."""
+    """One system in its own process: build it, run the untimed warm-up steps, then answer
+    ``("time", steps)`` with tokens/s and :func:`timed_steps`'s per-step figures, ``("peak",
+    None)`` with the matmul peak (the ``peak`` worker), ``("stop", None)`` by returning. Every
+    failure is sent back as ``("error", line)``."""
     try:
         if name in ("jaxmoe", "peak"):  # what `jaxmoe train` does at start-up (jaxmoe/host_alloc.py)
             from jaxmoe.host_alloc import keep_freed_memory
@@ -202,13 +215,8 @@ def _worker(shape: str, name: str, sets, conn) -> None:
             if cmd == "peak":
                 conn.send(("ok", matmul_peak()))
                 continue
-            r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            for _ in range(arg):
-                out = run()
-            sync(out)
-            dt, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
-            conn.send(("ok", (arg * B * S / dt, {  # per step: kernel time and page faults
-                "sys_s": (r1.ru_stime - r0.ru_stime) / arg, "minflt": (r1.ru_minflt - r0.ru_minflt) / arg})))
+            dt, os_use = timed_steps(run, sync, arg)
+            conn.send(("ok", (arg * B * S / dt, os_use)))
     except Exception as e:  # noqa: BLE001 - a system that does not run here is reported
         msg = str(e).splitlines()[0][:200] if str(e) else ""
         conn.send(("error", f"{type(e).__name__}: {msg}"))
@@ -303,7 +311,7 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
            "matmul_peak_gflops": peak / 1e9, "matmul_peak_gflops_range": [min(peaks) / 1e9, max(peaks) / 1e9],
            "flops_per_token": fpt, "rounds": rounds, "steps_per_round": steps, "notes": notes,
            "processes": "one worker process per system",
-           # medians over rounds of each worker's kernel (system) CPU seconds and minor page
+           # medians over rounds of each worker's user and kernel CPU seconds and minor page
            # faults per step: the host allocator's churn shows here (jaxmoe/host_alloc.py)
            "per_step_os": {n: {k: statistics.median(v) for k, v in d.items()} for n, d in per_step.items()}}
     peers = {n: v for n, v in res["tokens_per_s"].items() if n != "jaxmoe"}

@@ -224,11 +224,10 @@ def test_scan_unroll_matches_rolled_scan():
     assert _layer_scan_unrolls(cfg, params, buffers) == [1]
     ref = jax.tree_util.tree_flatten_with_path(g0)[0]
     for unroll in (0, 2):
-        l, _, _, g = _loss_and_grads(_cfg("tiny", "model.n_layers=3", f"train.scan_unroll={unroll}"),
-                                     params, buffers, batch)
+        cfg_u = _cfg("tiny", "model.n_layers=3", f"train.scan_unroll={unroll}")
+        l, _, _, g = _loss_and_grads(cfg_u, params, buffers, batch)
         assert _rel(l, l0) <= 1e-6, unroll
-        assert _layer_scan_unrolls(_cfg("tiny", "model.n_layers=3", f"train.scan_unroll={unroll}"),
-                                   params, buffers) == [unroll or 3]
+        assert _layer_scan_unrolls(cfg_u, params, buffers) == [unroll or 3]
         got = jax.tree_util.tree_flatten_with_path(g)[0]
         assert [p for p, _ in got] == [p for p, _ in ref]
         for (path, a), (_, b) in zip(got, ref):
