@@ -66,6 +66,7 @@ def test_tiny_counts_by_hand():
         (["model.first_k_dense=5"], "model.first_k_dense"),
         (["moe.compute_path=magic"], "moe.compute_path"),
         (["model.head_dim=15"], "model.head_dim"),
+        (["train.scan_unroll=-1"], "train.scan_unroll"),
     ],
 )
 def test_bad_configs_one_line_errors(overrides, key):
