@@ -14,8 +14,12 @@ with the explicit attention scores and whole logits, then with flash attention, 
 and with each offload (``train.remat=offload``, ``train.offload_optimizer``); a variant whose
 config field this tree does not know is reported as skipped, not failed.
 
-Each variant runs in its own process (device memory peaks are per process), in the order above;
-variants left when ``--budget-s`` is spent are reported as skipped. ``--dry-run`` runs the same
+Each variant runs in its own process (device memory peaks are per process), in the order above,
+and so does the matmul-peak measurement: the driver itself never imports jax. (It used to measure
+the peak in-process, and a JAX GPU client preallocates 75% of the device when it starts: every
+variant then ran in the 25% left, ~35 GiB of an H200, which is why the 2026-12-04 run saw
+out-of-memory on single 20-47 GiB allocations; docs/MEASUREMENTS.md.) Variants left when
+``--budget-s`` is spent are reported as skipped. ``--dry-run`` runs the same
 variants on CPU with tiny shapes, in-process, in seconds (tests/test_bench_gpu.py runs it so
 that this script cannot rot). No figure here is asserted.
 """
@@ -169,25 +173,44 @@ def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
 # -- driver ------------------------------------------------------------------------------------
 
 
+def _header(dry: bool, xla_profile: str) -> dict:
+    """Backend, device, jax version and the measured bf16 matmul peak (FLOP/s) of this process."""
+    import jax
+
+    peak = matmul_peak(256 if dry else 8192, "bfloat16", reps=3 if dry else 10)
+    return {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+            "dry_run": dry, "xla_profile": xla_profile, "bf16_matmul_peak_tflops": peak / 1e12,
+            "jax": jax.__version__}
+
+
 def _child(args) -> int:
-    v = json.loads(args.variant)
-    rec = run_variant(v, args.steps, args.peak)
+    if args.measure_peak:
+        rec = _header(False, args.xla_profile)
+    else:
+        rec = run_variant(json.loads(args.variant), args.steps, args.peak)
     print("RESULT " + json.dumps(rec))
     return 0
 
 
-def _in_subprocess(v: dict, steps: int, peak: float, timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--variant", json.dumps(v), "--steps", str(steps),
-           "--peak", str(peak)]
+def _run_child(child_args: list[str], timeout: float) -> dict:
+    """Run this script with ``child_args`` in a fresh process; its ``RESULT`` line as a dict, or
+    ``{"skipped": ...}`` / ``{"error": ...}``."""
+    cmd = [sys.executable, os.path.abspath(__file__), *child_args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return {"name": v["name"], "kind": v["kind"], "skipped": f"timed out after {timeout:.0f}s"}
+        return {"skipped": f"timed out after {timeout:.0f}s"}
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
-    return {"name": v["name"], "kind": v["kind"], "error": f"exit {out.returncode}: {tail}"}
+    return {"error": f"exit {out.returncode}: {tail}"}
+
+
+def _in_subprocess(v: dict, steps: int, peak: float, timeout: float, xla_profile: str) -> dict:
+    rec = _run_child(["--variant", json.dumps(v), "--steps", str(steps), "--peak", str(peak),
+                      "--xla-profile", xla_profile], timeout)
+    return rec if "name" in rec else {"name": v["name"], "kind": v["kind"], **rec}
 
 
 def main(argv=None) -> int:
@@ -200,27 +223,33 @@ def main(argv=None) -> int:
     p.add_argument("--xla-profile", default="gpu_overlap", choices=("gpu_overlap", "none"))
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--measure-peak", action="store_true", help=argparse.SUPPRESS)  # child mode
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
-    if args.variant:
-        return _child(args)
-    t_start = time.perf_counter()
     if args.dry_run:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         args.xla_profile = "none"  # GPU flags: XLA:CPU would reject them
-    else:
-        from jaxmoe.distributed import apply_xla_flags_profile  # no jax import: flags before the backend
+    else:  # the driver and every child: flags before any backend exists
+        from jaxmoe.distributed import apply_xla_flags_profile  # no jax import
 
         added = apply_xla_flags_profile(args.xla_profile)
-        print(f"XLA flags profile {args.xla_profile}: {len(added)} flags added", file=sys.stderr)
-    import jax
-
-    backend = jax.default_backend()
+        if not (args.variant or args.measure_peak):
+            print(f"XLA flags profile {args.xla_profile}: {len(added)} flags added", file=sys.stderr)
+    if args.variant or args.measure_peak:
+        return _child(args)
+    t_start = time.perf_counter()
     steps = args.steps or (2 if args.dry_run else 10)
-    peak = matmul_peak(256 if args.dry_run else 8192, "bfloat16", reps=3 if args.dry_run else 10)
-    header = {"backend": backend, "device": str(jax.devices()[0].device_kind), "dry_run": args.dry_run,
-              "xla_profile": args.xla_profile, "bf16_matmul_peak_tflops": peak / 1e12,
-              "jax": jax.__version__}
+    if args.dry_run:  # CPU: in-process
+        header = _header(True, args.xla_profile)
+    else:  # never in this process: a JAX GPU client here would hold 75% of the device
+        header = _run_child(["--measure-peak", "--xla-profile", args.xla_profile],
+                            timeout=max(60.0, min(180.0, args.budget_s / 3)))
+        if "bf16_matmul_peak_tflops" not in header:
+            print(f"error: the matmul-peak process failed: {header.get('error') or header.get('skipped')}",
+                  file=sys.stderr)
+            return 1
+    peak = header["bf16_matmul_peak_tflops"] * 1e12
+    backend = header["backend"]
     print(f"{header['device']} ({backend}), bf16 matmul peak {peak / 1e12:.1f} TFLOP/s, "
           f"XLA profile {args.xla_profile}", flush=True)
     if backend != "gpu" and not args.dry_run:
@@ -236,7 +265,7 @@ def main(argv=None) -> int:
         elif args.dry_run:
             rec = run_variant(v, steps, peak)
         else:
-            rec = _in_subprocess(v, steps, peak, timeout=left)
+            rec = _in_subprocess(v, steps, peak, timeout=left, xla_profile=args.xla_profile)
         results.append(rec)
         print(_line(rec), flush=True)
     out = {**header, "wall_s": time.perf_counter() - t_start, "variants": results}

@@ -27,3 +27,37 @@ def test_gpu_bench_dry_run(tmp_path):
         assert v["tokens_per_s"] > 0 and 0 < v["mfu"] and v["loss_last"] == v["loss_last"]  # finite
         assert isinstance(v["memory_analysis_bytes"], dict), v
         assert name in r.stdout
+
+
+def test_driver_never_imports_jax(tmp_path):
+    """On the GPU machine the driver must hold no device memory: a JAX GPU client preallocates 75%
+    of the device, and every variant process would run in the rest (the 2026-12-04 H200 run's
+    out-of-memory errors). The matmul peak and each variant run in child processes; here they are
+    faked, and the driver process must end without jax ever imported."""
+    out = tmp_path / "gpu.json"
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(ROOT / "bench")!r})
+import gpu
+calls = []
+def fake(args, timeout):
+    calls.append(args)
+    if "--measure-peak" in args:
+        return {{"backend": "gpu", "device": "fake H200", "dry_run": False, "xla_profile": "none",
+                 "bf16_matmul_peak_tflops": 700.0, "jax": "x"}}
+    v = json.loads(args[args.index("--variant") + 1])
+    assert float(args[args.index("--peak") + 1]) == 700e12
+    return {{"name": v["name"], "kind": v["kind"], "error": "exit 1: faked"}}
+gpu._run_child = fake
+rc = gpu.main(["--only", "coarse/blocked", "--xla-profile", "none", "--json", {str(out)!r}])
+assert rc == 1, rc  # the faked variant reports an error
+assert [c[0] for c in calls] == ["--measure-peak", "--variant"], calls
+assert "jax" not in sys.modules, "the driver imported jax"
+print("OK")
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-1000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["device"] == "fake H200" and res["variants"][0]["error"] == "exit 1: faked"
