@@ -1,9 +1,11 @@
 """Benchmark the expert compute paths against a plain matmul of the same FLOPs.
 
-    python bench/experts.py [--json] [--tokens 2048] [--rounds 5] [--repeats 2] [--block-size B]
+    python bench/experts.py [--json] [--shape small|coarse|fine] [--tokens 2048] [--rounds 5]
+                            [--repeats 2] [--block-size B]
 
-Shapes are the ``small`` preset's expert layer (D=512, I=256, E=32, k=4) with T tokens and random
-(softmax top-k) routing. For each path (dense, ragged, blocked) it times forward and
+Shapes: ``small`` (the default, item 5 of issue 16) is the ``small`` preset's expert layer (D=512,
+I=256, E=32, k=4); ``coarse`` (E=8, k=2, I=1024) and ``fine`` (E=64, k=8, I=256) are the expert
+layers of ``bench/train_step.py``'s two shapes (D=512). T tokens, random (softmax top-k) routing. For each path (dense, ragged, blocked) it times forward and
 forward+backward (gradients w.r.t. x and all expert weights) and reports *useful* GFLOP/s:
 
     forward FLOPs  = 2 * T * k * 3 * D * I     (gate, up, down projections of every assignment)
@@ -12,7 +14,17 @@ forward+backward (gradients w.r.t. x and all expert weights) and reports *useful
 ``matmul_gflops`` is a plain ``[T*k, D] @ [D, 3I]`` matmul (the same forward FLOPs) writing into a
 donated output buffer (no allocation inside the timing, so the reference is the matmul alone);
 ``ratio_to_matmul`` = path GFLOP/s (fwd+bwd) / matmul GFLOP/s, ``fwd_ratio_to_matmul`` likewise for
-the forward alone. The dense path runs with capacity_factor 1.0 (its dropless worst case,
+the forward alone.
+
+Two references without any routing are reported beside the paths (``--no-ideal`` skips them):
+the same FLOPs on rows already grouped by expert, exactly ``T*k/E`` contiguous rows each, so no
+routing, layout, gathers, scatters or masks -- ``ideal_loop``, a loop over experts doing only the
+SwiGLU matmuls and their hand-written backward (the gate/up pre-activations saved as the blocked
+path saves them), and ``ideal_batched``, the batched ``[E, T*k/E, D]`` einsums under autodiff.
+``ideal_ratio_to_matmul`` is the better of their two ``ratio_to_matmul``: what a grouped
+computation at this shape reaches with XLA's matmuls when routing costs nothing. A path's
+``ratio_to_ideal`` is, per round, the faster ideal's fwd+bwd time over the path's: what its
+routing and layout work costs. The dense path runs with capacity_factor 1.0 (its dropless worst case,
 capacity = T, is O(T^2 * E) memory); its one-hot einsums are overhead not counted as useful FLOPs.
 
 Side by side: in each of ``--rounds`` rounds every path is timed between two timings of the
@@ -53,14 +65,86 @@ def _best(fn, args, repeats: int) -> float:
     return best
 
 
+# (d_model, expert_ffn_dim, n_experts, top_k)
+SHAPES = {"small": (512, 256, 32, 4), "coarse": (512, 1024, 8, 2), "fine": (512, 256, 64, 8)}
+
+
+def ideal_loop_ffn(n_experts: int):
+    """``f(x_grouped [E*R, D], wg, wu, wd) -> [E*R, D]``: rows ``e*R .. (e+1)*R`` through expert
+    ``e``'s SwiGLU; a ``fori_loop`` of plain matmuls forward and backward (``jax.custom_vjp``),
+    nothing else (its gradients equal autodiff of :func:`ideal_batched_ffn`:
+    tests/test_bench_experts.py)."""
+
+    def split(a, e, r):
+        return jax.lax.dynamic_slice_in_dim(a, e * r, r, 0)
+
+    def fwd_loop(x, wg, wu, wd):
+        r, i_dim = x.shape[0] // n_experts, wg.shape[-1]
+
+        def body(e, c):
+            y, gu_all = c
+            gu = split(x, e, r) @ jnp.concatenate([wg[e], wu[e]], axis=1)
+            h = jax.nn.silu(gu[:, :i_dim]) * gu[:, i_dim:]
+            return (jax.lax.dynamic_update_slice_in_dim(y, h @ wd[e], e * r, 0),
+                    jax.lax.dynamic_update_slice_in_dim(gu_all, gu, e * r, 0))
+
+        init = (jnp.zeros_like(x), jnp.zeros((x.shape[0], 2 * i_dim), x.dtype))
+        return jax.lax.fori_loop(0, n_experts, body, init)
+
+    @jax.custom_vjp
+    def f(x, wg, wu, wd):
+        return fwd_loop(x, wg, wu, wd)[0]
+
+    def f_fwd(x, wg, wu, wd):
+        y, gu_all = fwd_loop(x, wg, wu, wd)
+        return y, (x, wg, wu, wd, gu_all)
+
+    def f_bwd(res, dy_all):
+        x, wg, wu, wd, gu_all = res
+        r, i_dim = x.shape[0] // n_experts, wg.shape[-1]
+
+        def body(e, c):
+            dx, dwg, dwu, dwd = c
+            xs, dy, gu = split(x, e, r), split(dy_all, e, r), split(gu_all, e, r)
+            g, u = gu[:, :i_dim], gu[:, i_dim:]
+            sg = jax.nn.sigmoid(g)
+            h = g * sg * u
+            dh = dy @ wd[e].T
+            dgu = jnp.concatenate([dh * u * sg * (1 + g * (1 - sg)), dh * g * sg], axis=1)
+            dx = jax.lax.dynamic_update_slice_in_dim(
+                dx, dgu @ jnp.concatenate([wg[e], wu[e]], axis=1).T, e * r, 0)
+            dwgu = xs.T @ dgu
+            return dx, dwg.at[e].set(dwgu[:, :i_dim]), dwu.at[e].set(dwgu[:, i_dim:]), dwd.at[e].set(h.T @ dy)
+
+        init = (jnp.zeros_like(x), jnp.zeros_like(wg), jnp.zeros_like(wu), jnp.zeros_like(wd))
+        return jax.lax.fori_loop(0, n_experts, body, init)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def ideal_batched_ffn(n_experts: int):
+    """The same as :func:`ideal_loop_ffn` as batched ``[E, R, D]`` einsums (autodiff backward)."""
+
+    def f(x, wg, wu, wd):
+        xs = x.reshape(n_experts, -1, x.shape[-1])
+        g = jnp.einsum("erd,edi->eri", xs, wg)
+        u = jnp.einsum("erd,edi->eri", xs, wu)
+        return jnp.einsum("eri,eid->erd", jax.nn.silu(g) * u, wd).reshape(x.shape)
+
+    return f
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     ap.add_argument("--repeats", type=int, default=2, help="calls per round (best one counts)")
     ap.add_argument("--paths", default="dense,ragged,blocked")
     ap.add_argument("--block-size", type=int, default=MoEConfig().block_size)
+    ap.add_argument("--no-ideal", action="store_true", help="skip the two no-routing references (ideal_loop, ideal_batched)")
     ap.add_argument("--system-malloc", action="store_true",
                     help="leave glibc's malloc as it is (default: keep freed memory; "
                          "see jaxmoe/host_alloc.py)")
@@ -72,8 +156,12 @@ def main(argv=None) -> dict:
             ap.error(f"--paths: unknown path {p!r}; choose from {', '.join(PATHS)}")
     if args.rounds < 1 or args.repeats < 1 or args.tokens < 1 or args.block_size < 1:
         ap.error("--rounds, --repeats, --tokens and --block-size must be >= 1")
+    d, i_dim, e, k = SHAPES[args.shape]
+    t = args.tokens
+    if not args.no_ideal and t * k % e:
+        ap.error(f"--tokens {t}: the ideal references need tokens*k ({t}*{k}) divisible by the {e} "
+                 "experts (or pass --no-ideal)")
 
-    d, i_dim, e, k, t = 512, 256, 32, 4, args.tokens
     keys = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(keys[0], (t, d), jnp.float32)
     weights = {
@@ -113,6 +201,16 @@ def main(argv=None) -> dict:
             jax.jit(lambda x, w, idx, gw, cfg=cfg: expert_ffn(x, idx, gw, w, cfg)[0]), run_args
         )
         timed[f"{path}/fwd_bwd"] = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), run_args)
+    ideals = [] if args.no_ideal else ["ideal_loop", "ideal_batched"]
+    for name in ideals:
+        ideal = (ideal_loop_ffn if name == "ideal_loop" else ideal_batched_ffn)(e)
+        xg = jax.random.normal(keys[0], (t * k, d), jnp.float32)
+        w3 = (weights["gate_proj"], weights["up_proj"], weights["down_proj"])
+        timed[f"{name}/fwd"] = (jax.jit(ideal), (xg, *w3))
+        timed[f"{name}/fwd_bwd"] = (
+            jax.jit(jax.value_and_grad(lambda x, *w, f=ideal: jnp.sum(f(x, *w) ** 2), argnums=(0, 1, 2, 3))),
+            (xg, *w3))
+    paths = [*paths, *ideals]
     for fn, fn_args in timed.values():  # compile + warm up
         jax.block_until_ready(fn(*fn_args))
     secs = {name: [] for name in timed}
@@ -128,7 +226,7 @@ def main(argv=None) -> dict:
 
     mm = secs["matmul"]
     out = {
-        "shapes": {"tokens": t, "d_model": d, "expert_ffn_dim": i_dim, "n_experts": e, "top_k": k,
+        "shapes": {"name": args.shape, "tokens": t, "d_model": d, "expert_ffn_dim": i_dim, "n_experts": e, "top_k": k,
                    "block_size": args.block_size},
         "rounds": args.rounds,
         "host_alloc": host_alloc,
@@ -148,17 +246,30 @@ def main(argv=None) -> dict:
             "fwd_ms": min(fw) * 1e3,
             "fwd_bwd_ms": min(fb) * 1e3,
         }
+    if ideals:
+        for name in ideals:
+            out[name] = out["paths"].pop(name)
+        out["ideal_ratio_to_matmul"] = max(out[name]["ratio_to_matmul"] for name in ideals)
+        best_ideal = [min(pair) for pair in zip(*(secs[f"{name}/fwd_bwd"] for name in ideals))]
+        for path, r in out["paths"].items():  # per round: the faster ideal's time over the path's
+            rr = [i / p for i, p in zip(best_ideal, secs[f"{path}/fwd_bwd"])]
+            r["ratio_to_ideal"] = statistics.median(rr)
+            r["ratio_to_ideal_range"] = [min(rr), max(rr)]
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"backend={jax.default_backend()} T={t} D={d} I={i_dim} E={e} k={k} "
+        print(f"backend={jax.default_backend()} shape={args.shape} T={t} D={d} I={i_dim} E={e} k={k} "
               f"block_size={args.block_size} rounds={args.rounds} host_alloc={host_alloc}")
         print(f"plain matmul: {out['matmul_gflops']:8.1f} GFLOP/s (best timing)")
-        for path, r in out["paths"].items():
+        rows = list(out["paths"].items()) + [(name, out[name]) for name in ideals]
+        for path, r in rows:
             lo, hi = r["ratio_to_matmul_range"]
+            extra = (f"   ratio_to_ideal {r['ratio_to_ideal']:.3f} [{r['ratio_to_ideal_range'][0]:.3f}-"
+                     f"{r['ratio_to_ideal_range'][1]:.3f}]" if "ratio_to_ideal" in r else "")
             print(
-                f"{path:8s} fwd+bwd {r['gflops']:8.1f} GFLOP/s  ratio_to_matmul {r['ratio_to_matmul']:.3f}"
+                f"{path:13s} fwd+bwd {r['gflops']:8.1f} GFLOP/s  ratio_to_matmul {r['ratio_to_matmul']:.3f}"
                 f" [{lo:.3f}-{hi:.3f}]   fwd {r['fwd_gflops']:8.1f} GFLOP/s  ratio {r['fwd_ratio_to_matmul']:.3f}"
+                + extra
             )
     return out
 
