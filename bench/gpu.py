@@ -6,7 +6,11 @@ Throughput (tokens/s, MFU against a measured bf16 matmul peak, peak device memor
 flash attention (``train.attention_kernel=dot_product``: cuDNN on GPU), the ``gpu_overlap`` XLA
 flag profile, on the two shapes of ``bench/train_step.py`` scaled to d_model 2048 -- ``coarse``
 (8 experts top-2, expert FFN 4096, Mixtral-style) and ``fine`` (64 experts top-8, expert FFN 1024,
-QK-norm, Qwen3-MoE-style) -- each with the ``ragged`` and the ``blocked`` expert path.
+QK-norm, Qwen3-MoE-style) -- each with the ``ragged`` path on jax's Hopper grouped-GEMM kernels
+(``*/ragged_mgpu``: ``moe.ragged_kernel=mosaic_gpu``, which also reports ``kernel_check``, the
+relative L2 error of its output and gradients against ``jax.lax.ragged_dot`` on the device), the
+``blocked`` path, and last the ``ragged`` path on ``jax.lax.ragged_dot`` (``*/ragged``: lowered
+densely on GPU, a reference).
 
 Memory (issue 13): peak device memory of a europa-shaped slice (full width d_model 7168, MLA with
 64 heads, vocab 163840, 1 dense + 2 MoE layers, 384 experts of width 1536 cut to 16, 4096 tokens)
@@ -20,13 +24,15 @@ the peak in-process, and a JAX GPU client preallocates 75% of the device when it
 variant then ran in the 25% left, ~35 GiB of an H200, which is why the 2026-12-04 run saw
 out-of-memory on single 20-47 GiB allocations; docs/MEASUREMENTS.md.) Variants left when
 ``--budget-s`` is spent are reported as skipped. ``--dry-run`` runs the same
-variants on CPU with tiny shapes, in-process, in seconds (tests/test_bench_gpu.py runs it so
+variants on CPU with tiny shapes, in-process, in seconds (``ragged_mgpu`` with jnp reference
+kernels of the same contract in place of the Mosaic ones) (tests/test_bench_gpu.py runs it so
 that this script cannot rot). No figure here is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -50,7 +56,7 @@ def _throughput_shapes(dry: bool) -> dict:
                 "model.max_seq_len": 32}
         return {"coarse": dict(base, **{"moe.n_experts": 8, "moe.top_k": 2, "moe.expert_ffn_dim": 128,
                                         "model.qk_norm": "false"}),
-                "fine": dict(base, **{"moe.n_experts": 16, "moe.top_k": 4, "moe.expert_ffn_dim": 32,
+                "fine": dict(base, **{"moe.n_experts": 16, "moe.top_k": 4, "moe.expert_ffn_dim": 64,
                                       "model.qk_norm": "true"})}
     base = {"model.vocab_size": 32768, "model.d_model": 2048, "model.n_layers": 4, "model.n_heads": 16,
             "model.n_kv_heads": 8, "model.head_dim": 128, "train.batch_size": 8, "train.seq_len": 2048,
@@ -76,14 +82,20 @@ def _europa_slice(dry: bool) -> dict:
 
 def variants(dry: bool) -> list[dict]:
     """Every variant: name, preset, overrides, kind ("throughput" / "memory")."""
-    out = []
+    out, last = [], []
+    paths = {"ragged_mgpu": {"moe.compute_path": "ragged", "moe.ragged_kernel": "mosaic_gpu"},
+             "blocked": {"moe.compute_path": "blocked"},
+             "ragged": {"moe.compute_path": "ragged", "moe.ragged_kernel": "xla"}}
     for shape, sets in _throughput_shapes(dry).items():
         preset = "mixtral-tiny" if shape == "coarse" else "tiny"
-        for path in ("ragged", "blocked"):
-            out.append({"name": f"{shape}/{path}", "kind": "throughput", "preset": preset,
-                        "sets": {**_COMMON, **sets, "moe.compute_path": path,
-                                 "train.attention_kernel": "dot_product"}})
-    eu = {**_COMMON, **_europa_slice(dry), "moe.compute_path": "ragged"}  # 1 dense + 2 MoE layers
+        for name, path_sets in paths.items():
+            v = {"name": f"{shape}/{name}", "kind": "throughput", "preset": preset,
+                 "sets": {**_COMMON, **sets, **path_sets, "train.attention_kernel": "dot_product"}}
+            (last if name == "ragged" else out).append(v)  # the dense-lowered reference last
+    out.sort(key=lambda v: v["name"].split("/")[1] != "ragged_mgpu")  # the grouped GEMMs first
+    # 1 dense + 2 MoE layers; the blocked expert path: ragged_dot's dense lowering would add an
+    # [E, rows, D] copy (7.5 GiB here) to figures that are about attention, CE and offload
+    eu = {**_COMMON, **_europa_slice(dry), "moe.compute_path": "blocked"}
     lean = {"train.attention_kernel": "dot_product", "train.ce_chunk_tokens": 64 if dry else 1024}
     mem = [
         ("europa/explicit_attn+whole_logits", {"train.attention_kernel": "explicit", "train.ce_chunk_tokens": 0}),
@@ -96,7 +108,7 @@ def variants(dry: bool) -> list[dict]:
     preset = "europa-952b"
     for name, sets in mem:
         out.append({"name": name, "kind": "memory", "preset": preset, "sets": {**eu, **sets}})
-    return out
+    return out + last
 
 
 # -- one variant -------------------------------------------------------------------------------
@@ -113,6 +125,50 @@ def _peak_bytes() -> int | None:
 
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def kernel_check(cfg, rows: int = 4096) -> dict:
+    """Relative L2 error of the ragged SwiGLU through ``cfg.moe.ragged_kernel`` against the
+    ``xla`` kernel (``jax.lax.ragged_dot``), both in ``cfg``'s dtype: the output and the gradients
+    of x and of each expert weight, on ``rows`` rows in random groups (one group empty, the last
+    rows in none)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxmoe.model.experts import _ragged_swiglu
+
+    e, d, i = cfg.moe.n_experts, cfg.model.d_model, cfg.moe.expert_ffn_dim
+    dt = jnp.bfloat16 if cfg.train.dtype == "bfloat16" else jnp.float32
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(rows - rows // 16, np.full(e, 1.0 / e)).astype(np.int32)
+    sizes[e // 2] = 0
+    ks = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(ks[0], (rows, d)).astype(dt)
+    w = {"gate_proj": jax.random.normal(ks[1], (e, d, i)) * d ** -0.5,
+         "up_proj": jax.random.normal(ks[2], (e, d, i)) * d ** -0.5,
+         "down_proj": jax.random.normal(ks[3], (e, i, d)) * i ** -0.5}
+    probe = jax.random.normal(ks[4], (rows, d))
+    gs = jnp.asarray(sizes)
+
+    def run(kernel):
+        def loss(x, w):
+            y = _ragged_swiglu(x, gs, w, kernel)
+            return jnp.sum(y.astype(jnp.float32) * probe), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+
+    (_, y_k), g_k = run(cfg.moe.ragged_kernel)
+    (_, y_x), g_x = run("xla")
+
+    def rel(a, b):
+        a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+        return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+    out = {"rows": rows, "output": rel(y_k, y_x), "d_x": rel(g_k[0], g_x[0])}
+    for k in ("gate_proj", "up_proj", "down_proj"):
+        out[f"d_{k}"] = rel(g_k[1][k], g_x[1][k])
+    out["finite"] = bool(all(np.isfinite(v) for k, v in out.items() if k != "rows"))
+    return out
 
 
 def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
@@ -167,6 +223,9 @@ def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
                tokens_per_s=b * s / dt, flops_per_token=flops_per_token(cfg),
                peak_device_bytes=_peak_bytes())
     rec["mfu"] = rec["tokens_per_s"] * rec["flops_per_token"] / peak_flops
+    if cfg.moe.compute_path == "ragged" and cfg.moe.ragged_kernel != "xla":
+        del state, compiled
+        rec["kernel_check"] = kernel_check(cfg, rows=256 if b * s < 4096 else 4096)
     return rec
 
 
@@ -181,6 +240,24 @@ def _header(dry: bool, xla_profile: str) -> dict:
     return {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "dry_run": dry, "xla_profile": xla_profile, "bf16_matmul_peak_tflops": peak / 1e12,
             "jax": jax.__version__}
+
+
+@contextlib.contextmanager
+def _reference_kernels_if_dry(v: dict):
+    """Dry run (CPU): a ``mosaic_gpu`` variant runs with the jnp reference kernels of the same
+    contract (``grouped_gemm.REFERENCE``) and without the device check, so its wiring and
+    ``kernel_check`` run here too; ``rec["kernels"]`` says so."""
+    if v["sets"].get("moe.ragged_kernel") != "mosaic_gpu":
+        yield
+        return
+    from jaxmoe.model import grouped_gemm as gg
+
+    saved = gg.MOSAIC_GPU, gg.check_mosaic_gpu_device
+    gg.MOSAIC_GPU, gg.check_mosaic_gpu_device = gg.REFERENCE, (lambda: None)
+    try:
+        yield
+    finally:
+        gg.MOSAIC_GPU, gg.check_mosaic_gpu_device = saved
 
 
 def _child(args) -> int:
@@ -263,7 +340,8 @@ def main(argv=None) -> int:
         if left < (1 if args.dry_run else 30):
             rec = {"name": v["name"], "kind": v["kind"], "skipped": "time budget spent"}
         elif args.dry_run:
-            rec = run_variant(v, steps, peak)
+            with _reference_kernels_if_dry(v):
+                rec = run_variant(v, steps, peak)
         else:
             rec = _in_subprocess(v, steps, peak, timeout=left, xla_profile=args.xla_profile)
         results.append(rec)
@@ -285,9 +363,14 @@ def _line(r: dict) -> str:
         return f"{r['name']:36s} {'SKIPPED' if 'skipped' in r else 'ERROR'}: {r.get('skipped') or r.get('error')}"
     ma = r.get("memory_analysis_bytes")
     temp = _gib(ma["temp"]) if isinstance(ma, dict) else "n/a"
+    kc = r.get("kernel_check")
+    check = ""
+    if kc:
+        worst = max(v for k, v in kc.items() if k not in ("rows", "finite"))
+        check = f"; vs ragged_dot: max rel L2 {worst:.2e}{'' if kc['finite'] else ' NON-FINITE'}"
     return (f"{r['name']:36s} {r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu']:.3f}  peak mem "
             f"{_gib(r['peak_device_bytes'])}  (XLA temp {temp}; compile {r['compile_s']:.0f}s; "
-            f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f})")
+            f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}{check})")
 
 
 if __name__ == "__main__":

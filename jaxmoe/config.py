@@ -301,6 +301,19 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"moe.capacity_factor={e.capacity_factor} must be >= 0 (0 = dropless)")
     if e.block_size <= 0:
         raise ConfigError(f"moe.block_size={e.block_size} must be > 0")
+    if e.ragged_kernel == "mosaic_gpu":  # the device itself is checked when the step is traced
+        if e.compute_path != "ragged":
+            raise ConfigError(f"moe.ragged_kernel='mosaic_gpu' applies to moe.compute_path='ragged' "
+                              f"only (this config uses {e.compute_path!r}); set one or the other")
+        if t.dtype != "bfloat16":
+            raise ConfigError(f"moe.ragged_kernel='mosaic_gpu' needs train.dtype=bfloat16 (the Hopper "
+                              f"kernels take 16-bit operands), not {t.dtype!r}; or use moe.ragged_kernel=xla")
+        bad = {k: v for k, v in (("model.d_model", m.d_model), ("moe.expert_ffn_dim", e.expert_ffn_dim))
+               if v % 64}
+        if bad:
+            raise ConfigError("moe.ragged_kernel='mosaic_gpu' needs model.d_model and moe.expert_ffn_dim "
+                              f"to be multiples of 64 (its 64-wide K tiles); got "
+                              + ", ".join(f"{k}={v}" for k, v in bad.items()))
     for k in ("lb_coef", "seq_aux_coef", "router_z_coef", "bias_update_rate", "route_scale"):
         if getattr(e, k) < 0:
             raise ConfigError(f"moe.{k}={getattr(e, k)} must be >= 0")

@@ -124,7 +124,7 @@ def resolve_dispatcher(cfg, platform: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _local_compute(x_src, src_row, row_expert, weights, n_local, path, block_size):
+def _local_compute(x_src, src_row, row_expert, weights, n_local, path, moe_cfg):
     """SwiGLU of rows ``x_src[src_row[i]]`` with local expert ``row_expert[i]``; rows whose
     expert is ``n_local`` (padding / not ours) give 0. Returns ``[len(src_row), D]``."""
 
@@ -132,7 +132,7 @@ def _local_compute(x_src, src_row, row_expert, weights, n_local, path, block_siz
     inverse = jnp.argsort(order)
     group_sizes = jnp.zeros((n_local,), jnp.int32).at[row_expert].add(1, mode="drop")
     x_sorted = x_src[src_row[order]]
-    y_sorted = grouped_swiglu(x_sorted, group_sizes, weights, path=path, block_size=block_size)
+    y_sorted = grouped_swiglu(x_sorted, group_sizes, weights, path=path, moe_cfg=moe_cfg)
     return y_sorted[inverse]
 
 
@@ -141,7 +141,7 @@ def _local_compute(x_src, src_row, row_expert, weights, n_local, path, block_siz
 # --------------------------------------------------------------------------------------------
 
 
-def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size, moe_cfg, ax, **_):
+def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, moe_cfg, ax, **_):
 
     t, k = idx.shape
     d = x.shape[-1]
@@ -159,7 +159,7 @@ def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, block_size, moe_cfg, ax, 
     # slot (s, l, c) holds a real row iff c < rc[s, l]
     valid = jnp.arange(cap)[None, None, :] < rc[:, :, None]
     row_e = jnp.where(valid, jnp.arange(e_l)[None, :, None], e_l).reshape(-1)
-    y_rows = _local_compute(recv, jnp.arange(recv.shape[0]), row_e, wl, e_l, path, block_size)
+    y_rows = _local_compute(recv, jnp.arange(recv.shape[0]), row_e, wl, e_l, path, moe_cfg)
     back = jax.lax.all_to_all(y_rows, ax, 0, 0, tiled=True)  # my slots, computed
     y_assign = back.at[slot].get(mode="fill", fill_value=0)  # [T, k, D]
     dropped = jnp.sum(~keep).astype(jnp.int32)
@@ -188,7 +188,7 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
     return jnp.where(hit[:, None], vals, output)
 
 
-def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, ax, emulate=False, **_):
+def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, moe_cfg, ax, emulate=False, **_):
 
     t, k = idx.shape
     d = x.shape[-1]
@@ -217,7 +217,7 @@ def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, ax, emulate=Fa
     r = jnp.arange(r_max)
     seg = jnp.searchsorted(seg_end, r, side="right")
     row_e = jnp.where(r < seg_end[-1], seg % e_l, e_l)
-    y_rows = _local_compute(recv, r, row_e, wl, e_l, path, block_size)
+    y_rows = _local_compute(recv, r, row_e, wl, e_l, path, moe_cfg)
     recv_off = jnp.cumsum(recv_sizes) - recv_sizes
     back_off = jax.lax.all_to_all(in_off, ax, 0, 0, tiled=True)  # src's offset for me
     back = ragged(y_rows, jnp.zeros((n, d), x.dtype), recv_off, recv_sizes, back_off, send_sizes)
@@ -225,7 +225,7 @@ def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, ax, emulate=Fa
     return combine(y_assign, w), jnp.zeros((), jnp.int32)
 
 
-def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, ax, **_):
+def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, moe_cfg, ax, **_):
 
     t, k = idx.shape
     e_l = n_exp // n_x
@@ -237,7 +237,7 @@ def _allgather_chunk(x, idx, w, wl, *, n_exp, n_x, path, block_size, ax, **_):
     mine = (le >= 0) & (le < e_l)
     row_e = jnp.where(mine, le, e_l).reshape(-1)  # assignment a = token a // k
     src = jnp.arange(row_e.shape[0]) // k
-    y_rows = _local_compute(xg, src, row_e, wl, e_l, path, block_size)
+    y_rows = _local_compute(xg, src, row_e, wl, e_l, path, moe_cfg)
     part = combine(y_rows.reshape(n_x * t, k, -1), jnp.where(mine, wg, 0.0))  # [X*T, D] fp32
     y = jax.lax.psum_scatter(part, ax, scatter_dimension=0, tiled=True)
     return y, jnp.zeros((), jnp.int32)
@@ -305,7 +305,7 @@ def make_dispatch(cfg, mesh, kind: str):
                 )
             wl = {"gate_proj": wg, "up_proj": wu, "down_proj": wd}
             one = functools.partial(chunk_fn, n_exp=n_exp, n_x=n_x, path=local_path,
-                                    block_size=moe_cfg.block_size, moe_cfg=moe_cfg, cf=cf, ax=ax)
+                                    moe_cfg=moe_cfg, cf=cf, ax=ax)
             tc = t // n_chunks
             ys, dropped = [], jnp.zeros((), jnp.int32)
             for c in range(n_chunks):  # unrolled: chunk c's collectives can overlap c+1's compute

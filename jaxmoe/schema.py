@@ -113,6 +113,9 @@ class MoEConfig:
     compute_path: Literal["dense", "ragged", "blocked"] = "blocked"
     capacity_factor: float = 0.0  # dense path: 0 = dropless (capacity = worst case)
     block_size: int = 16  # blocked path: each expert's token group is padded to a multiple of this
+    # ragged path's grouped matmul (jaxmoe.model.grouped_gemm): xla = jax.lax.ragged_dot (native on
+    # TPU, lowered densely on CPU/GPU); mosaic_gpu = jax's Hopper Pallas kernels (bf16, GPU only)
+    ragged_kernel: Literal["xla", "mosaic_gpu"] = "xla"
     router_init_std: float = 0.02
 
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_bench_dry_run(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
-    only = "coarse/blocked,europa/lean+offload_optimizer"  # a throughput and a memory variant
+    # a throughput and a memory variant, and the Hopper-kernel variant (reference kernels on CPU)
+    only = "coarse/blocked,europa/lean+offload_optimizer,fine/ragged_mgpu"
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run", "--only", only, "--json", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -22,11 +23,14 @@ def test_gpu_bench_dry_run(tmp_path):
     assert res["dry_run"] is True and res["backend"] == "cpu" and res["bf16_matmul_peak_tflops"] > 0
     by = {v["name"]: v for v in res["variants"]}
     assert set(by) == set(only.split(","))
-    for name in ("coarse/blocked", "europa/lean+offload_optimizer"):
+    for name in only.split(","):
         v = by[name]
         assert v["tokens_per_s"] > 0 and 0 < v["mfu"] and v["loss_last"] == v["loss_last"]  # finite
         assert isinstance(v["memory_analysis_bytes"], dict), v
         assert name in r.stdout
+    kc = by["fine/ragged_mgpu"]["kernel_check"]  # reference kernels vs ragged_dot, bf16
+    assert kc["finite"] and kc["rows"] == 256 and max(kc[k] for k in kc if k.startswith("d_") or k == "output") < 3e-2, kc
+    assert "vs ragged_dot: max rel L2" in r.stdout
 
 
 def test_driver_never_imports_jax(tmp_path):

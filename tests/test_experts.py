@@ -176,7 +176,7 @@ def test_grouped_swiglu_padding_rows_are_zero(path):
     weights = _weights(jax.random.key(8))
     gs = jnp.asarray([3, 0, 5, 1, 0, 0, 2, 4], jnp.int32)  # 15 rows used
     x = jax.random.normal(jax.random.key(9), (20, D))
-    y = jax.jit(lambda *a: grouped_swiglu(*a, path=path, block_size=4))(x, gs, weights)
+    y = jax.jit(lambda *a: grouped_swiglu(*a, path=path, moe_cfg=MoEConfig(block_size=4)))(x, gs, weights)
     assert float(jnp.abs(y[15:]).max()) == 0.0
     experts = np.repeat(np.arange(E), np.asarray(gs))
     xn = np.asarray(x, np.float64)

@@ -13,11 +13,13 @@ expert, which is what a dispatcher receives):
     the only single-device path that drops. No grouped form: not under a mesh (there, dropping
     is ``mesh.a2a_capacity_factor``).
 ``ragged``
-    Sort assignments by expert, then ``jax.lax.ragged_dot`` per projection (dropless). Native on
-    TPU. Elsewhere (jax 0.10-0.11) ``ragged_dot`` is lowered densely, through a ``[E, rows, K]``
-    masked copy of its operand: E times the memory and FLOPs of the work (on an H200 the fine
-    benchmark shape asked for one 32 GiB buffer, = 64 x 131072 x 2048 bf16), so use ``blocked``
-    on CPU and GPU (docs/MEASUREMENTS.md).
+    Sort assignments by expert, then a grouped matmul per projection (dropless), by
+    ``moe.ragged_kernel`` (:mod:`jaxmoe.model.grouped_gemm`): ``xla`` = ``jax.lax.ragged_dot``,
+    native on TPU; elsewhere (jax 0.10-0.11) lowered densely, through a ``[E, rows, K]`` masked
+    copy of its operand, E times the memory and FLOPs of the work (on an H200 the fine benchmark
+    shape asked for one 32 GiB buffer, = 64 x 131072 x 2048 bf16). ``mosaic_gpu`` = jax's Hopper
+    grouped-GEMM kernels (bf16; not yet run on a GPU by this project). On CPU use ``blocked``
+    (docs/MEASUREMENTS.md).
 ``blocked``
     Dropless and fast on CPU: block-padded per-expert runs of plain matmuls with a hand-written
     backward (:mod:`jaxmoe.model.blocked`).
@@ -38,6 +40,7 @@ from flax import nnx
 
 from jaxmoe.config import ModelConfig, MoEConfig
 from jaxmoe.model.blocked import blocked_path, blocked_swiglu_rows
+from jaxmoe.model.grouped_gemm import grouped_matmul
 from jaxmoe.model.params import ExpertLinear, builds, normal, stack_axes
 from jaxmoe.model.slots import capacity, combine, expert_counts, slot_positions
 
@@ -80,18 +83,18 @@ def _dense_path(x, topk_idx, topk_weights, weights, moe_cfg):
 # ---------------------------------------------------------------------------------------------
 
 
-def _ragged_swiglu(x_sorted, group_sizes, weights):
+def _ragged_swiglu(x_sorted, group_sizes, weights, kernel="xla"):
+    """SwiGLU of expert-grouped rows by grouped matmuls (``moe.ragged_kernel``: xla or mosaic_gpu)."""
     dt = x_sorted.dtype
     f32 = jnp.float32
-    gs = group_sizes.astype(jnp.int32)
-
-    def rdot(a, w):
-        return jax.lax.ragged_dot(a, w.astype(dt), gs, preferred_element_type=f32)
-
-    h = (jax.nn.silu(rdot(x_sorted, weights["gate_proj"])) * rdot(x_sorted, weights["up_proj"]))
-    y = rdot(h.astype(dt), weights["down_proj"])
-    valid = jnp.arange(x_sorted.shape[0]) < jnp.sum(gs)
-    return jnp.where(valid[:, None], y, 0).astype(dt)
+    wg, wu, wd = weights["gate_proj"], weights["up_proj"], weights["down_proj"]
+    if kernel == "xla":  # gate and up as two dots (the parity suites' numbers are of this form)
+        g, u = (grouped_matmul(x_sorted, w, group_sizes, kernel) for w in (wg, wu))
+    else:  # gate and up side by side: one grouped GEMM of twice the width
+        gu = grouped_matmul(x_sorted, jnp.concatenate([wg, wu], axis=-1), group_sizes, kernel)
+        g, u = gu[:, : wg.shape[-1]], gu[:, wg.shape[-1]:]
+    h = jax.nn.silu(g.astype(f32)) * u.astype(f32)
+    return grouped_matmul(h.astype(dt), wd, group_sizes, kernel).astype(dt)
 
 
 
@@ -103,13 +106,12 @@ def _blocked_tokens(x, topk_idx, topk_weights, weights, moe_cfg):
     return blocked_path(x, topk_idx, topk_weights, weights, moe_cfg), jnp.zeros((), jnp.int32)
 
 
-def _blocked_rows(x_sorted, group_sizes, weights, block_size):
-    return blocked_swiglu_rows(x_sorted, group_sizes, weights, block_size)
+def _blocked_rows(x_sorted, group_sizes, weights, moe_cfg):
+    return blocked_swiglu_rows(x_sorted, group_sizes, weights, moe_cfg.block_size)
 
 
-def _ragged_rows(x_sorted, group_sizes, weights, block_size):
-    del block_size
-    return _ragged_swiglu(x_sorted, group_sizes, weights)
+def _ragged_rows(x_sorted, group_sizes, weights, moe_cfg):
+    return _ragged_swiglu(x_sorted, group_sizes, weights, moe_cfg.ragged_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +122,7 @@ def _ragged_rows(x_sorted, group_sizes, weights, block_size):
 @dataclass(frozen=True)
 class ExpertPath:
     """One expert compute path. ``tokens(x, idx, w, weights, moe_cfg) -> (y [T, D] x.dtype,
-    dropped)``; ``rows(x_sorted, group_sizes, weights, block_size) -> [N, D]`` on rows grouped by
+    dropped)``; ``rows(x_sorted, group_sizes, weights, moe_cfg) -> [N, D]`` on rows grouped by
     expert (what a dispatcher runs under a mesh), or None when the path has no such form."""
 
     tokens: Callable
@@ -148,15 +150,16 @@ def get_path(name: str, *, under_mesh: bool = False) -> ExpertPath:
     return path
 
 
-def grouped_swiglu(x_sorted, group_sizes, weights, *, path, block_size):
+def grouped_swiglu(x_sorted, group_sizes, weights, *, path, moe_cfg):
     """SwiGLU of rows already sorted by expert.
 
     ``x_sorted [N, D]``: group ``e`` is ``group_sizes[e]`` contiguous rows, groups in expert order;
     rows past ``sum(group_sizes)`` are padding and produce 0. ``weights``: ``gate_proj``/``up_proj``
-    ``[E, D, I]``, ``down_proj [E, I, D]``. ``path``: one with a grouped form (ragged, blocked).
-    Returns ``[N, D]`` in ``x_sorted.dtype``.
+    ``[E, D, I]``, ``down_proj [E, I, D]``. ``path``: one with a grouped form (ragged, blocked);
+    ``moe_cfg`` gives its options (``block_size``, ``ragged_kernel``). Returns ``[N, D]`` in
+    ``x_sorted.dtype``.
     """
-    return get_path(path, under_mesh=True).rows(x_sorted, group_sizes, weights, block_size)
+    return get_path(path, under_mesh=True).rows(x_sorted, group_sizes, weights, moe_cfg)
 
 
 def _sorted_path(x, topk_idx, topk_weights, weights, moe_cfg, path):
@@ -167,9 +170,7 @@ def _sorted_path(x, topk_idx, topk_weights, weights, moe_cfg, path):
     inverse = jnp.argsort(order)
     x_sorted = x[order // k]
     group_sizes = expert_counts(topk_idx, moe_cfg.n_experts)
-    y_sorted = grouped_swiglu(
-        x_sorted, group_sizes, weights, path=path, block_size=moe_cfg.block_size
-    )
+    y_sorted = grouped_swiglu(x_sorted, group_sizes, weights, path=path, moe_cfg=moe_cfg)
     y_assign = y_sorted[inverse].reshape(t, k, -1)
     return combine(y_assign, topk_weights).astype(x.dtype)
 
