@@ -46,3 +46,16 @@ def test_tokens_the_ideal_cannot_split_are_a_clear_error(capsys):
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert "--tokens 63" in err and "--no-ideal" in err and "32 experts" in err
+
+
+def test_expert_shapes_tiny_run(capsys):
+    import expert_shapes
+
+    out = expert_shapes.main(["--tokens", "64", "--rounds", "1", "--repeats", "1"])
+    for kind in ("blocked", "ideal_batched"):
+        r = out["kinds"][kind]
+        assert r["fine_over_coarse"] > 0 and r["coarse_gflops"] > 0 and r["fine_gflops"] > 0
+    assert "fine/coarse" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as ex:
+        expert_shapes.main(["--tokens", "60"])
+    assert ex.value.code == 2 and "--tokens 60" in capsys.readouterr().err
