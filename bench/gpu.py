@@ -248,14 +248,14 @@ def _reference_kernels_if_dry(v: dict):
     contract (``grouped_gemm.REFERENCE``) and without the device check, so its wiring and
     ``kernel_check`` run here too; ``rec["kernels"]`` says so."""
     if v["sets"].get("moe.ragged_kernel") != "mosaic_gpu":
-        yield
+        yield False
         return
     from jaxmoe.model import grouped_gemm as gg
 
     saved = gg.MOSAIC_GPU, gg.check_mosaic_gpu_device
     gg.MOSAIC_GPU, gg.check_mosaic_gpu_device = gg.REFERENCE, (lambda: None)
     try:
-        yield
+        yield True
     finally:
         gg.MOSAIC_GPU, gg.check_mosaic_gpu_device = saved
 
@@ -340,8 +340,10 @@ def main(argv=None) -> int:
         if left < (1 if args.dry_run else 30):
             rec = {"name": v["name"], "kind": v["kind"], "skipped": "time budget spent"}
         elif args.dry_run:
-            with _reference_kernels_if_dry(v):
+            with _reference_kernels_if_dry(v) as stand_in:
                 rec = run_variant(v, steps, peak)
+            if stand_in:
+                rec["kernels"] = "jnp reference kernels (dry run), not Mosaic GPU"
         else:
             rec = _in_subprocess(v, steps, peak, timeout=left, xla_profile=args.xla_profile)
         results.append(rec)

@@ -28,6 +28,7 @@ def test_gpu_bench_dry_run(tmp_path):
         assert v["tokens_per_s"] > 0 and 0 < v["mfu"] and v["loss_last"] == v["loss_last"]  # finite
         assert isinstance(v["memory_analysis_bytes"], dict), v
         assert name in r.stdout
+    assert "reference" in by["fine/ragged_mgpu"]["kernels"] and "kernels" not in by["coarse/blocked"]
     kc = by["fine/ragged_mgpu"]["kernel_check"]  # reference kernels vs ragged_dot, bf16
     assert kc["finite"] and kc["rows"] == 256 and max(kc[k] for k in kc if k.startswith("d_") or k == "output") < 3e-2, kc
     assert "vs ragged_dot: max rel L2" in r.stdout

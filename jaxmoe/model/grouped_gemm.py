@@ -65,6 +65,13 @@ def _mosaic_modules():
     return ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 
+def _call(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the keywords ``fn`` does not take left out: the tuning knobs of
+    these kernels have come and gone between jax releases (the tile sizes have not)."""
+    params = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in kw.items() if k in params})
+
+
 def _mosaic_fwd(lhs, rhs, group_sizes, transpose_rhs=False):
     rd, _ = _mosaic_modules()
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -74,16 +81,16 @@ def _mosaic_fwd(lhs, rhs, group_sizes, transpose_rhs=False):
             kw["transpose_rhs"] = True
         else:  # older jax: no in-kernel transpose; pass a transposed copy of the weights
             rhs = jnp.swapaxes(rhs, 1, 2)
-    return rd.ragged_dot(lhs, rhs, group_sizes=group_sizes, block_m=128, block_n=_block(n),
-                         block_k=_BLOCK_K, max_concurrent_steps=4, grid_block_n=1, **kw)
+    return _call(rd.ragged_dot, lhs, rhs, group_sizes=group_sizes, block_m=128, block_n=_block(n),
+                 block_k=_BLOCK_K, max_concurrent_steps=4, grid_block_n=1, **kw)
 
 
 def _mosaic_tgrad(lhs, rhs, group_sizes):
     _, trd = _mosaic_modules()
     # the kernel's (K, M) x (K, N) -> (G, M, N) with the ragged, contracted K = our rows
-    return trd.transposed_ragged_dot(lhs, rhs, group_sizes=group_sizes, block_m=_block(lhs.shape[1]),
-                                     block_n=_block(rhs.shape[1]), block_k=_BLOCK_K,
-                                     max_concurrent_steps=4, grid_block_n=1)
+    return _call(trd.transposed_ragged_dot, lhs, rhs, group_sizes=group_sizes,
+                 block_m=_block(lhs.shape[1]), block_n=_block(rhs.shape[1]), block_k=_BLOCK_K,
+                 max_concurrent_steps=4, grid_block_n=1)
 
 
 MOSAIC_GPU = Kernels(_mosaic_fwd, _mosaic_tgrad)
