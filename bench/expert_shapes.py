@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from experts import SHAPES, _best, ideal_batched_ffn  # noqa: E402
+from experts import SHAPES, _best, expert_inputs, ideal_batched_ffn  # noqa: E402
 from jaxmoe.config import MoEConfig  # noqa: E402
 from jaxmoe.host_alloc import keep_freed_memory  # noqa: E402
 from jaxmoe.model.experts import expert_ffn  # noqa: E402
@@ -34,19 +34,14 @@ from jaxmoe.model.experts import expert_ffn  # noqa: E402
 
 def _functions(shape: str, t: int, block_size: int) -> dict:
     d, i_dim, e, k = SHAPES[shape]
-    keys = jax.random.split(jax.random.key(0), 5)
-    x = jax.random.normal(keys[0], (t, d), jnp.float32)
-    w = {"gate_proj": jax.random.normal(keys[1], (e, d, i_dim)) * 0.02,
-         "up_proj": jax.random.normal(keys[2], (e, d, i_dim)) * 0.02,
-         "down_proj": jax.random.normal(keys[3], (e, i_dim, d)) * 0.02}
-    topk_w, topk_idx = jax.lax.top_k(jax.nn.softmax(jax.random.normal(keys[4], (t, e)), axis=-1), k)
+    x, w, topk_idx, topk_w = expert_inputs(shape, t)
     cfg = MoEConfig(n_experts=e, top_k=k, expert_ffn_dim=i_dim, compute_path="blocked",
                     block_size=block_size, capacity_factor=0.0)
     blocked = jax.jit(jax.value_and_grad(
         lambda x, w, idx, gw: jnp.sum(expert_ffn(x, idx, gw, w, cfg)[0] ** 2), argnums=(0, 1)))
     ideal = ideal_batched_ffn(e)
     ideal_fb = jax.jit(jax.value_and_grad(lambda x, *ws: jnp.sum(ideal(x, *ws) ** 2), argnums=(0, 1, 2, 3)))
-    xg = jax.random.normal(keys[0], (t * k, d), jnp.float32)
+    xg = jax.random.normal(jax.random.key(1), (t * k, d), jnp.float32)
     return {"blocked": (blocked, (x, w, topk_idx, topk_w)),
             "ideal_batched": (ideal_fb, (xg, w["gate_proj"], w["up_proj"], w["down_proj"]))}
 

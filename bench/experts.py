@@ -69,6 +69,21 @@ def _best(fn, args, repeats: int) -> float:
 SHAPES = {"small": (512, 256, 32, 4), "coarse": (512, 1024, 8, 2), "fine": (512, 256, 64, 8)}
 
 
+def expert_inputs(shape: str, t: int):
+    """``x [T, D]``, the expert weights, and random softmax top-k routing ``(topk_idx, topk_w)``
+    for ``t`` tokens of ``SHAPES[shape]`` (seed 0; shared with bench/expert_shapes.py)."""
+    d, i_dim, e, k = SHAPES[shape]
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (t, d), jnp.float32)
+    weights = {
+        "gate_proj": jax.random.normal(keys[1], (e, d, i_dim)) * 0.02,
+        "up_proj": jax.random.normal(keys[2], (e, d, i_dim)) * 0.02,
+        "down_proj": jax.random.normal(keys[3], (e, i_dim, d)) * 0.02,
+    }
+    topk_w, topk_idx = jax.lax.top_k(jax.nn.softmax(jax.random.normal(keys[4], (t, e)), axis=-1), k)
+    return x, weights, topk_idx, topk_w
+
+
 def ideal_loop_ffn(n_experts: int):
     """``f(x_grouped [E*R, D], wg, wu, wd) -> [E*R, D]``: rows ``e*R .. (e+1)*R`` through expert
     ``e``'s SwiGLU; a ``fori_loop`` of plain matmuls forward and backward (``jax.custom_vjp``),
@@ -163,14 +178,7 @@ def main(argv=None) -> dict:
                  "experts (or pass --no-ideal)")
 
     keys = jax.random.split(jax.random.key(0), 5)
-    x = jax.random.normal(keys[0], (t, d), jnp.float32)
-    weights = {
-        "gate_proj": jax.random.normal(keys[1], (e, d, i_dim)) * 0.02,
-        "up_proj": jax.random.normal(keys[2], (e, d, i_dim)) * 0.02,
-        "down_proj": jax.random.normal(keys[3], (e, i_dim, d)) * 0.02,
-    }
-    probs = jax.nn.softmax(jax.random.normal(keys[4], (t, e)), axis=-1)
-    topk_w, topk_idx = jax.lax.top_k(probs, k)
+    x, weights, topk_idx, topk_w = expert_inputs(args.shape, t)
     fwd_flops = 2.0 * t * k * 3 * d * i_dim
 
     a = jax.random.normal(keys[0], (t * k, d))

@@ -349,9 +349,11 @@ def main(argv=None) -> int:
         results.append(rec)
         print(_line(rec), flush=True)
     out = {**header, "wall_s": time.perf_counter() - t_start, "variants": results}
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.json:  # written whole or not at all: a run killed here leaves the previous file
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as f:
             json.dump(out, f, indent=2)
+        os.replace(tmp, args.json)
     print(f"done in {out['wall_s']:.0f}s", flush=True)
     return 0 if all("error" not in r for r in results) else 1
 

@@ -66,3 +66,21 @@ print("OK")
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-1000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["device"] == "fake H200" and res["variants"][0]["error"] == "exit 1: faked"
+
+
+def test_driver_reports_a_failed_peak_process(tmp_path):
+    """The matmul-peak child failing: one line on stderr, exit 1, no JSON written."""
+    out = tmp_path / "gpu.json"
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "bench")!r})
+import gpu
+gpu._run_child = lambda args, timeout: {{"error": "exit 1: CUDA_ERROR_NO_DEVICE"}}
+sys.exit(gpu.main(["--xla-profile", "none", "--json", {str(out)!r}]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-1000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: the matmul-peak process failed: exit 1: CUDA_ERROR_NO_DEVICE"], r.stderr[-1000:]
+    assert not out.exists()

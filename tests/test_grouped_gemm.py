@@ -174,3 +174,24 @@ def test_valid_config_and_cpu_device_error():
     with pytest.raises(UserError):  # the same error through the model's expert path
         experts_mod.expert_ffn(x, jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)),
                                {"gate_proj": w, "up_proj": w, "down_proj": jnp.zeros((2, 128, 64))}, moe)
+
+
+def test_a_jax_without_the_kernels_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_mosaic(name, *a, **k):
+        if name.startswith("jax.experimental.pallas.ops.gpu"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *a, **k)
+
+    gg._mosaic_modules.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_mosaic)
+    try:
+        with pytest.raises(UserError) as ex:
+            gg._mosaic_modules()
+    finally:
+        gg._mosaic_modules.cache_clear()
+    msg = str(ex.value)
+    assert "moe.ragged_kernel=xla" in msg and "ragged_dot_mgpu" in msg and "\n" not in msg, msg

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.config import MoEConfig
 from jaxmoe.errors import UserError
 
-KERNELS = ("xla", "mosaic_gpu")
+# the choices the config declares (moe.ragged_kernel), implemented below
+KERNELS = typing.get_args(typing.get_type_hints(MoEConfig)["ragged_kernel"])
 _ROW_PAD = 128  # rows are zero-padded to a multiple of this (the kernels' largest row tile)
 _BLOCK_K = 64
 
@@ -96,14 +99,24 @@ def _mosaic_tgrad(lhs, rhs, group_sizes):
 MOSAIC_GPU = Kernels(_mosaic_fwd, _mosaic_tgrad)
 
 
+def _pad_rows(a):
+    """``a [M, ...]`` zero-padded to a multiple of ``_ROW_PAD`` rows."""
+    m_pad = -(-a.shape[0] // _ROW_PAD) * _ROW_PAD
+    return jnp.pad(a, ((0, m_pad - a.shape[0]), (0, 0))) if m_pad != a.shape[0] else a
+
+
+def _inside(m, group_sizes):
+    """``[M, 1]`` bool: the rows that belong to a group (the first ``sum(group_sizes)``)."""
+    return (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
+
+
 def _reference_fwd(lhs, rhs, group_sizes, transpose_rhs=False):
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     # rows outside every group are unspecified in the kernels' contract: NaN here, so a caller
     # that forgets to mask them fails the tests
-    inside = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(inside[:, None], out, jnp.nan).astype(lhs.dtype)
+    return jnp.where(_inside(lhs.shape[0], group_sizes), out, jnp.nan).astype(lhs.dtype)
 
 
 def _reference_tgrad(lhs, rhs, group_sizes):
@@ -119,16 +132,9 @@ def _reference_tgrad(lhs, rhs, group_sizes):
 REFERENCE = Kernels(_reference_fwd, _reference_tgrad)
 
 
-def _pad_rows(a, m_pad):
-    return jnp.pad(a, ((0, m_pad - a.shape[0]), (0, 0))) if m_pad != a.shape[0] else a
-
-
 def _masked_fwd(kernels: Kernels, lhs, rhs, group_sizes, transpose_rhs=False):
-    m = lhs.shape[0]
-    m_pad = -(-m // _ROW_PAD) * _ROW_PAD
-    out = kernels.fwd(_pad_rows(lhs, m_pad), rhs, group_sizes, transpose_rhs)[:m]
-    inside = jnp.arange(m) < jnp.sum(group_sizes)
-    return jnp.where(inside[:, None], out, jnp.zeros((), out.dtype))  # a select: NaN-safe
+    out = kernels.fwd(_pad_rows(lhs), rhs, group_sizes, transpose_rhs)[: lhs.shape[0]]
+    return jnp.where(_inside(lhs.shape[0], group_sizes), out, jnp.zeros((), out.dtype))  # NaN-safe
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -145,11 +151,10 @@ def _kgm_bwd(kernels, res, dout):
     lhs, rhs, group_sizes = res
     dout = dout.astype(lhs.dtype)
     d_lhs = _masked_fwd(kernels, dout, rhs, group_sizes, transpose_rhs=True)  # dout_g @ rhs_g^T
-    m_pad = -(-lhs.shape[0] // _ROW_PAD) * _ROW_PAD
-    inside = (jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes))[:, None]
+    inside = _inside(lhs.shape[0], group_sizes)
     # rows past the groups must not reach the weight gradient (dout there can be anything)
-    d_rhs = kernels.tgrad(_pad_rows(jnp.where(inside, lhs, 0), m_pad),
-                          _pad_rows(jnp.where(inside, dout, 0), m_pad), group_sizes)
+    d_rhs = kernels.tgrad(_pad_rows(jnp.where(inside, lhs, 0)), _pad_rows(jnp.where(inside, dout, 0)),
+                          group_sizes)
     return d_lhs, d_rhs.astype(rhs.dtype), None
 
 
@@ -177,8 +182,7 @@ def grouped_matmul(lhs, rhs, group_sizes, kernel: str = "xla"):
     rhs = rhs.astype(lhs.dtype)
     if kernel == "xla":
         out = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
-        inside = jnp.arange(lhs.shape[0]) < jnp.sum(gs)
-        return jnp.where(inside[:, None], out, 0)
+        return jnp.where(_inside(lhs.shape[0], gs), out, 0)
     if kernel == "mosaic_gpu":
         check_mosaic_gpu_device()
         return kernel_grouped_matmul(MOSAIC_GPU, lhs, rhs, gs)
