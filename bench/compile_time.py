@@ -30,7 +30,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import jax
 from jaxmoe.config import load_config
-from jaxmoe.model.transformer import abstract_params, declared_groups
+from jaxmoe.model.transformer import Model, abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
 from jaxmoe.step import init_state, make_train_step
 preset, layers, dense = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -42,7 +42,7 @@ b, s = cfg.train.batch_size, cfg.train.seq_len
 batch = {"inputs": jax.ShapeDtypeStruct((b, s), jax.numpy.int32),
          "targets": jax.ShapeDtypeStruct((b, s), jax.numpy.int32),
          "mask": jax.ShapeDtypeStruct((b, s), jax.numpy.float32)}
-step = make_train_step(cfg, tx)
+step = make_train_step(Model(cfg), tx)
 t1, c1 = time.perf_counter(), time.process_time()
 lowered = step.lower(state, batch)
 t2, c2 = time.perf_counter(), time.process_time()

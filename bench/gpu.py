@@ -136,7 +136,7 @@ def kernel_check(cfg, rows: int = 4096) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmoe.model.experts import _ragged_swiglu
+    from jaxmoe.model.experts import ragged_swiglu
 
     e, d, i = cfg.moe.n_experts, cfg.model.d_model, cfg.moe.expert_ffn_dim
     dt = jnp.bfloat16 if cfg.train.dtype == "bfloat16" else jnp.float32
@@ -153,7 +153,7 @@ def kernel_check(cfg, rows: int = 4096) -> dict:
 
     def run(kernel):
         def loss(x, w):
-            y = _ragged_swiglu(x, gs, w, kernel)
+            y = ragged_swiglu(x, gs, w, kernel)
             return jnp.sum(y.astype(jnp.float32) * probe), y
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
 
@@ -179,7 +179,7 @@ def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
     from jaxmoe.config import load_config
     from jaxmoe.counting import flops_per_token
     from jaxmoe.errors import ConfigError
-    from jaxmoe.model.transformer import declared_groups, init_params
+    from jaxmoe.model.transformer import Model, declared_groups, init_params
     from jaxmoe.optim import build_optimizer
     from jaxmoe.step import init_state, make_train_step, state_shardings
 
@@ -202,7 +202,7 @@ def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
     if sh is not None:
         state = jax.device_put(state, sh)
     t = time.perf_counter()
-    compiled = make_train_step(cfg, tx).lower(state, batch).compile()
+    compiled = make_train_step(Model(cfg), tx).lower(state, batch).compile()
     rec["compile_s"] = round(time.perf_counter() - t, 2)
     try:
         ma = compiled.memory_analysis()

@@ -2,7 +2,7 @@
 
     python bench/mesh.py [--preset tiny] [--batch 8] [--seq 16] [--steps 5] [--layouts ...]
 
-For each mesh layout and dispatcher it compiles ``jaxmoe.train.make_train_step`` (AdamW), times
+For each mesh layout and dispatcher it compiles ``jaxmoe.step.make_train_step`` (AdamW), times
 ``--steps`` steps after a warm-up step, and reads the optimised HLO of the compiled step:
 every ``all-to-all``, ``all-gather``, ``reduce-scatter``, ``all-reduce`` and
 ``collective-permute`` (sync or ``-start`` async forms), its per-device size, and how often it
@@ -185,7 +185,7 @@ def run_layout(preset, spec, kind, chunks, batch, seq, steps):
     from jaxmoe.model.transformer import declared_groups, init_params
     from jaxmoe.optim import build_optimizer
     from jaxmoe.mesh import build_context, parse_mesh
-    from jaxmoe.train import init_state, make_train_step
+    from jaxmoe.step import init_state, make_train_step
 
     cfg = load_config(preset, overrides=[f"train.batch_size={batch}", f"train.seq_len={seq}"])
     cfg = cfg.replace(mesh=dataclasses.replace(cfg.mesh, dispatcher=kind, dispatch_chunks=chunks))
@@ -203,7 +203,7 @@ def run_layout(preset, spec, kind, chunks, batch, seq, steps):
             "mask": np.ones((batch, seq), np.float32),
         })
 
-    step = make_train_step(cfg, tx, dispatch=ctx.dispatch, donate=True)
+    step = make_train_step(ctx.model(), tx, donate=True)
     b = mk()
     t0 = time.perf_counter()
     compiled = step.lower(state, b).compile()

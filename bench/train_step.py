@@ -94,14 +94,14 @@ def matmul_peak(n=2048, reps=5) -> float:
 def make_jaxmoe(cfg):
     import jax
 
-    from jaxmoe.model.transformer import declared_groups, init_params
+    from jaxmoe.model.transformer import Model, declared_groups, init_params
     from jaxmoe.optim import build_optimizer
     from jaxmoe.step import init_state, make_train_step
 
     params, buffers = init_params(cfg, 0)
     tx = build_optimizer(cfg.train, params, declared_groups(cfg))
     box = {"state": init_state(cfg, tx, params, buffers)}
-    step = make_train_step(cfg, tx)
+    step = make_train_step(Model(cfg), tx)
     batch = {k: jax.device_put(v) for k, v in batch_np().items()}
 
     def run():

@@ -39,7 +39,7 @@ from jaxmoe.checkpoint import Checkpointer
 from jaxmoe.config import Config, config_to_toml, flops_per_token
 from jaxmoe.data import make_data
 from jaxmoe.errors import UserError
-from jaxmoe.model.transformer import abstract_params, declared_groups, init_fn
+from jaxmoe.model.transformer import Model, abstract_params, declared_groups, init_fn
 from jaxmoe.optim import build_optimizer, lr_schedule
 from jaxmoe.prefetch import Prefetcher
 from jaxmoe.preempt import EXIT_PREEMPTED, Preemption
@@ -245,8 +245,7 @@ class Trainer:
 
     def _loop(self, state, start, data, tx, ckpt, preempt) -> RunResult:
         cfg, t, rd = self.cfg, self.cfg.train, self.rd
-        ctx = self.mesh_ctx
-        dispatch = ctx.dispatch if ctx is not None else None
+        model = Model(cfg) if self.mesh_ctx is None else self.mesh_ctx.model()
         prefetch = Prefetcher(data, self._place_batch, depth=2 if t.async_loop else 0)
         self._metrics_f = open(rd.path / "metrics.jsonl", "a") if rd.primary else None
         self._writer = _tensorboard(rd) if rd.primary else None
@@ -259,8 +258,7 @@ class Trainer:
         saved_step = ckpt.latest_step()
         try:
             batch = prefetch.next()
-            step_fn, self._compile_s, _ = self._compile(make_train_step(cfg, tx, dispatch=dispatch),
-                                                        state, batch)
+            step_fn, self._compile_s, _ = self._compile(make_train_step(model, tx), state, batch)
             every = t.checkpoint_every
             pending = None  # (step, metrics on device, row extras): written one step late
             self._t_last, self._paused = time.perf_counter(), 0.0
@@ -275,7 +273,7 @@ class Trainer:
                         break  # this step is discarded: the synchronous loop never ran it
                 t0 = time.perf_counter()  # between steps: not charged to any step's tokens/s
                 if t.eval_every and step % t.eval_every == 0:
-                    cur[2].update(self._eval(state, dispatch))
+                    cur[2].update(self._eval(state, model))
                 if every == 0 and t.checkpoint_minutes > 0 and len(self._timed) >= 2:
                     every = self._steps_per_checkpoint()
                 stop_now = preempt.should_stop(step)
@@ -382,10 +380,10 @@ class Trainer:
             k = int(multihost_utils.broadcast_one_to_all(np.int32(k)))
         return k
 
-    def _eval(self, state, dispatch) -> dict:
+    def _eval(self, state, model) -> dict:
         cfg = self.cfg
         if self._eval_fn is None:
-            self._eval_fn = make_eval_step(cfg, dispatch=dispatch)
+            self._eval_fn = make_eval_step(model)
         ev = make_data(cfg, "eval", process_index=jax.process_index(), process_count=jax.process_count())
         tot = [float(jax.device_get(self._eval_fn(state["params"], state["buffers"],
                                                    self._place_batch(ev.next_batch()))["ce"]))

@@ -93,7 +93,8 @@ def mesh_sizes_from_config(cfg: Config) -> dict[str, int]:
 class MeshContext:
     """Everything the trainer needs to run on a mesh.
 
-    ``dispatch``: the expert-parallel dispatcher passed to the model (``jaxmoe.dispatch``).
+    ``dispatch``: the expert-parallel dispatcher (``jaxmoe.dispatch``), bound into the model that
+    :meth:`model` builds.
     ``place_state`` / ``place_batch``: put a train state / a host-local batch on the mesh.
     ``replicated``: leaves the rules could not shard (for the log; see the module doc).
     """
@@ -123,6 +124,13 @@ class MeshContext:
         from jax.sharding import NamedSharding
 
         return NamedSharding(self.mesh, spec)
+
+    def model(self):
+        """The model placed on this mesh: :class:`jaxmoe.model.transformer.Model` with this mesh's
+        dispatcher bound in (what the train, eval and parity steps trace)."""
+        from jaxmoe.model.transformer import Model
+
+        return Model(self.cfg, self.dispatch)
 
     # -- state -----------------------------------------------------------------------------
     def state_specs(self, state: dict) -> dict:

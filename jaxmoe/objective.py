@@ -6,8 +6,9 @@ split into ``train.micro_batches`` micro-batches (a ``lax.scan``) whose fp32 gra
 CE and the output z-loss are sums over valid tokens divided by the *global* valid count, so their
 micro sums equal the full batch exactly; aux router losses (load balance, sequence aux, router z)
 are per micro-batch and averaged over micro-batches (as Megatron and torchtitan do). Forced
-routing (parity replays) goes through the same function, so parity checks the training objective
-itself.
+routing (parity replays: ``batch["forced_idx"]``, :func:`with_forced_routing`) goes through the
+same function, so parity checks the training objective itself. The functions here take the
+:class:`~jaxmoe.model.transformer.Model` (the config plus the dispatcher of its mesh).
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ import jax.numpy as jnp
 
 from jaxmoe.config import Config
 from jaxmoe.losses import chunked_cross_entropy, compute_loss, router_losses, weigh_terms
-from jaxmoe.model.transformer import apply_model
+from jaxmoe.model.transformer import Model
 
 
-def model_loss(cfg: Config, params, buffers, batch, *, n_valid=None, dispatch=None, forced_idx=None):
-    """``apply_model`` + ``compute_loss``: returns ``(total, (metrics, aux))`` for ``jax.grad``."""
+def model_loss(model: Model, params, buffers, batch, *, n_valid=None):
+    """The model's forward + ``compute_loss``: returns ``(total, (metrics, aux))`` for ``jax.grad``.
+    ``batch``: ``inputs``, ``targets``, ``mask`` ``[B, S]`` and, for a replayed routing,
+    ``forced_idx [B, S, Lm, k]`` (:func:`with_forced_routing`)."""
+    cfg = model.cfg
+    forced_idx = _forced_from_batch(batch)
     if cfg.train.ce_chunk_tokens > 0:  # CE fused with the LM head, chunked: no [T, V] logits held
-        hidden, head, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
-                                        dispatch=dispatch, return_hidden=True)
+        hidden, head, aux = model(params, buffers, batch["inputs"], forced_idx=forced_idx, return_hidden=True)
         zc = cfg.train.z_loss_coef
         tok_loss, _, z = chunked_cross_entropy(hidden, head, batch["targets"], batch["mask"], n_valid,
                                                cfg.train.ce_chunk_tokens, zc)
@@ -33,16 +37,32 @@ def model_loss(cfg: Config, params, buffers, batch, *, n_valid=None, dispatch=No
         # gradient of ce + zc * z, which is how weigh_terms and make_grad_fn combine the two
         total, metrics = weigh_terms(cfg, tok_loss - zc * z, z, router_losses(cfg, aux["router"], b, s))
         return total, (metrics, aux)
-    logits, aux = apply_model(cfg, params, buffers, batch["inputs"], forced_idx=forced_idx,
-                              dispatch=dispatch)
+    logits, aux = model(params, buffers, batch["inputs"], forced_idx=forced_idx)
     total, metrics = compute_loss(cfg, logits, aux, batch, n_valid)
     return total, (metrics, aux)
+
+
+def with_forced_routing(batch: dict, forced_idx) -> dict:
+    """``batch`` with a routing to replay: ``forced_idx [Lm, B*S, k]`` (tokens row-major, as
+    ``aux["router"]["topk_idx"]`` holds it) stored as ``batch["forced_idx"] [B, S, Lm, k]``, so it
+    is split into micro-batches and sharded over the batch axes with the rows it routes."""
+    b, s = batch["inputs"].shape
+    lm, _, k = forced_idx.shape
+    return {**batch, "forced_idx": jnp.moveaxis(jnp.asarray(forced_idx, jnp.int32).reshape(lm, b, s, k), 0, 2)}
+
+
+def _forced_from_batch(batch: dict):
+    f = batch.get("forced_idx")
+    if f is None:
+        return None
+    b, s, lm, k = f.shape
+    return jnp.moveaxis(f, 2, 0).reshape(lm, b * s, k)
 
 
 def lm_loss(model, batch: dict) -> jax.Array:
     """The training loss of an NNX :class:`~jaxmoe.model.transformer.Transformer` on ``batch``
     (``inputs``, ``targets`` int ``[B, S]``, ``mask`` ``[B, S]``): for ``nnx.value_and_grad``."""
-    logits, aux = model(batch["inputs"])
+    logits, aux = model(batch["inputs"], forced_idx=_forced_from_batch(batch))
     total, _ = compute_loss(model.cfg, logits, aux, batch)
     return total
 
@@ -50,14 +70,6 @@ def lm_loss(model, batch: dict) -> jax.Array:
 def split_micro_batches(batch: dict, n: int) -> dict:
     """[B, S] -> [n, B/n, S]: micro-batch i takes rows i*B/n ... (i+1)*B/n - 1."""
     return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
-
-
-def split_forced(forced_idx, batch_size: int, n: int):
-    """Forced routing ``[Lm, B*S, k]`` (tokens row-major) -> ``[n, Lm, (B/n)*S, k]``, micro-batch i
-    taking the tokens of its rows."""
-    lm, t, k = forced_idx.shape
-    f = forced_idx.reshape(lm, n, t // n, k)
-    return jnp.moveaxis(f, 1, 0)
 
 
 def router_stats(cfg: Config, aux: dict) -> dict:
@@ -78,34 +90,33 @@ def router_stats(cfg: Config, aux: dict) -> dict:
     }
 
 
-def make_grad_fn(cfg: Config, *, dispatch=None):
-    """``grads(params, buffers, batch, forced_idx=None) -> (grads, metrics, counts)`` over the
-    step's micro-batches (see the module doc).
+def make_grad_fn(model: Model):
+    """``grads(params, buffers, batch) -> (grads, metrics, counts)`` over the step's micro-batches
+    (see the module doc).
 
-    ``batch`` holds the whole step's global batch ``[B, S]``; ``forced_idx [Lm, B*S, k]`` (optional)
-    replays a routing for the whole batch. ``counts [Lm, E]`` are the expert assignments summed
-    over all micro-batches (for the bias update).
+    ``batch`` holds the whole step's global batch ``[B, S]`` (with ``forced_idx``, a routing
+    replayed for the whole batch: :func:`with_forced_routing`). ``counts [Lm, E]`` are the expert
+    assignments summed over all micro-batches (for the bias update).
     """
+    cfg = model.cfg
     n_micro = cfg.train.micro_batches
     zc = cfg.train.z_loss_coef
 
-    def micro_objective(params, buffers, mb, n_valid, forced):
-        total, (metrics, aux) = model_loss(cfg, params, buffers, mb, n_valid=n_valid, dispatch=dispatch,
-                                           forced_idx=forced)
+    def micro_objective(params, buffers, mb, n_valid):
+        total, (metrics, aux) = model_loss(model, params, buffers, mb, n_valid=n_valid)
         token_part = metrics["ce"] + zc * metrics["z_loss"]
         objective = token_part + (total - token_part) / n_micro
         return objective, (metrics, aux)
 
     value_and_grad = jax.value_and_grad(micro_objective, has_aux=True)
 
-    def grads_fn(params, buffers, batch, forced_idx=None):
+    def grads_fn(params, buffers, batch):
         n_valid = jnp.maximum(batch["mask"].sum(), 1.0)
         micro = split_micro_batches(batch, n_micro)
-        forced = None if forced_idx is None else split_forced(forced_idx, batch["inputs"].shape[0], n_micro)
         counts0 = jnp.zeros((cfg.model.n_moe_layers, cfg.moe.n_experts), jnp.float32)
 
-        def one(mb, fi):
-            (obj, (metrics, aux)), grads = value_and_grad(params, buffers, mb, n_valid, fi)
+        def one(mb):
+            (obj, (metrics, aux)), grads = value_and_grad(params, buffers, mb, n_valid)
             m = dict(metrics)
             m["objective"] = obj
             stats = router_stats(cfg, aux)
@@ -118,19 +129,19 @@ def make_grad_fn(cfg: Config, *, dispatch=None):
                 counts = aux["counts"].astype(jnp.float32)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads), m, counts
 
-        def body(carry, xs):
-            out = one(*xs)
+        def body(carry, mb):
+            out = one(mb)
             return jax.tree.map(jnp.add, carry, out), None
 
-        first = jax.tree.map(lambda x: x[0], (micro, forced))
+        first = jax.tree.map(lambda x: x[0], micro)
         if n_micro == 1:
             # one micro-batch: no accumulation (a zero-filled gradient tree plus one add would be
             # two more passes over every gradient: docs/MEASUREMENTS.md, "train step")
-            grads, msum, counts = one(*first)
+            grads, msum, counts = one(first)
         else:
-            shapes = jax.eval_shape(one, *first)
+            shapes = jax.eval_shape(one, first)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            (grads, msum, counts), _ = jax.lax.scan(body, zeros, (micro, forced))
+            (grads, msum, counts), _ = jax.lax.scan(body, zeros, micro)
 
         metrics = {}
         for k, v in msum.items():  # CE / z-loss are global sums already; the rest are means
@@ -144,4 +155,4 @@ def make_grad_fn(cfg: Config, *, dispatch=None):
     return grads_fn
 
 
-__all__ = ["lm_loss", "make_grad_fn", "model_loss", "router_stats", "split_forced", "split_micro_batches"]
+__all__ = ["lm_loss", "make_grad_fn", "model_loss", "router_stats", "split_micro_batches", "with_forced_routing"]

@@ -18,7 +18,7 @@ import optax
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
 from jaxmoe.losses import update_expert_bias
-from jaxmoe.model.transformer import init_params
+from jaxmoe.model.transformer import Model, init_params
 from jaxmoe.objective import make_grad_fn, model_loss
 from jaxmoe.optim import global_norm
 
@@ -89,8 +89,9 @@ def _to_space(tree, space):
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
-def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
-    """Build the jit-compiled train step ``step(state, batch) -> (state, metrics)``.
+def make_train_step(model: Model, tx, *, donate: bool = True):
+    """Build the jit-compiled train step ``step(state, batch) -> (state, metrics)`` of ``model``
+    (``Model(cfg)`` on one device, ``MeshContext.model()`` on a mesh).
 
     gradients (``make_grad_fn``) -> global-norm + finiteness check -> optimizer (clipping is part
     of ``tx``) -> expert-bias update on the step's summed counts. A non-finite loss, gradient or
@@ -98,7 +99,8 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
     optimizer state unchanged and counts a bad step (``metrics["bad_steps"]``: in a row).
     """
 
-    grads_fn = make_grad_fn(cfg, dispatch=dispatch)
+    cfg = model.cfg
+    grads_fn = make_grad_fn(model)
     use_bias = cfg.moe.use_expert_bias and cfg.model.n_moe_layers > 0
     offload = cfg.train.offload_optimizer
 
@@ -143,10 +145,11 @@ def make_train_step(cfg: Config, tx, *, dispatch=None, donate: bool = True):
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
-def make_eval_step(cfg: Config, *, dispatch=None):
+def make_eval_step(model: Model):
+    """The jit-compiled eval step ``(params, buffers, batch) -> {"loss", "ce"}`` of ``model``."""
 
     def ev(params, buffers, batch):
-        total, (metrics, _) = model_loss(cfg, params, buffers, batch, dispatch=dispatch)
+        total, (metrics, _) = model_loss(model, params, buffers, batch)
         return {"loss": total, "ce": metrics["ce"]}
 
     return jax.jit(ev)

@@ -19,7 +19,7 @@ import time
 from parity.checks import Checks, compare_forward, compare_losses, compare_named, compare_routing, compare_steps
 from parity.checks import first_divergence
 from parity.hf_side import HFSide, lb_pooled
-from parity.sides import JaxSide, _np, init_weights, make_batches, setup_numerics, to_hf
+from parity.sides import JaxSide, to_numpy, init_weights, make_batches, setup_numerics, to_hf
 from parity.tolerances import tolerances_for
 
 
@@ -47,7 +47,7 @@ def run_hf_suite(opts, cfg, n_steps: int) -> dict:
     params, buffers = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
     hf = to_hf(cfg, params, buffers)
     grad_names = list(to_hf(cfg, params, with_buffers=False))
-    bias = _np(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
+    bias = to_numpy(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
     batches = make_batches(cfg, max(1, n_steps), opts.seed)
     hs = HFSide(cfg, hf, grad_names)
     js = JaxSide(cfg, params, buffers)

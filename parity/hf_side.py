@@ -30,7 +30,7 @@ import numpy as np
 from jaxmoe.archs import get_arch
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
-from parity.sides import TorchSide, _np, torch_batch
+from parity.sides import TorchSide, to_numpy, torch_batch
 
 
 def lb_pooled(cfg: Config) -> bool:
@@ -98,7 +98,7 @@ class HFSide:
     def _map_names(self, hf, grad_names) -> dict[str, tuple]:
         """run name -> (HF parameter name, index, transposed), matched by value."""
         found: dict[str, tuple] = {}
-        params = {pname: _np(p) for pname, p in self.model.named_parameters()}
+        params = {pname: to_numpy(p) for pname, p in self.model.named_parameters()}
         for n in grad_names:  # same name, same values (norm scales are all ones: names decide)
             if n in params and params[n].shape == hf[n].shape and np.array_equal(params[n], hf[n]):
                 found[n] = (n, (None, None, None, False))
@@ -167,13 +167,13 @@ class HFSide:
         e = self.cfg.moe
         with torch.no_grad():
             _, metrics, routers, logits = self.objective(torch_batch(batch))
-        lg = np.stack([_np(r[0]) for r in routers]) if routers else np.zeros((0,))
+        lg = np.stack([to_numpy(r[0]) for r in routers]) if routers else np.zeros((0,))
         scores = (1 / (1 + np.exp(-lg.astype(np.float64))) if e.score_func == "sigmoid"
                   else np.exp(lg - lg.max(-1, keepdims=True)) / np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True))
-        idx = np.stack([_np(r[2]).astype(np.int64) for r in routers]) if routers else np.zeros((0,))
-        w = np.stack([_np(r[1]) for r in routers]) if routers else np.zeros((0,))
+        idx = np.stack([to_numpy(r[2]).astype(np.int64) for r in routers]) if routers else np.zeros((0,))
+        w = np.stack([to_numpy(r[1]) for r in routers]) if routers else np.zeros((0,))
         counts = np.stack([np.bincount(i.ravel(), minlength=e.n_experts) for i in idx]) if routers else idx
-        return {"logits": _np(logits), "losses": metrics,
+        return {"logits": to_numpy(logits), "losses": metrics,
                 "aux": {"router": {"logits": lg, "scores": scores.astype(np.float32), "topk_idx": idx,
                                    "topk_weights": w},
                         "counts": counts, "dropped": np.zeros(len(idx), np.int64)}}
@@ -182,13 +182,13 @@ class HFSide:
         self.model.zero_grad(set_to_none=True)
         total, _, _, _ = self.objective(torch_batch(batch))
         total.backward()
-        g = {n: (np.zeros(tuple(p.shape), np.float32) if p.grad is None else _np(p.grad))
+        g = {n: (np.zeros(tuple(p.shape), np.float32) if p.grad is None else to_numpy(p.grad))
              for n, p in self.model.named_parameters()}
         self.model.zero_grad(set_to_none=True)
         return self._by_name(g)
 
     def params(self) -> dict[str, np.ndarray]:
-        return self._by_name({n: _np(p) for n, p in self.model.named_parameters()})
+        return self._by_name({n: to_numpy(p) for n, p in self.model.named_parameters()})
 
     def train(self, batches: list[dict]) -> dict:
         """N steps of torch AdamW on the HF model with the run's hyper-parameters: decay on
@@ -231,7 +231,7 @@ class HFSide:
                 g["lr"] = t.lr * lr_factor(self.cfg, i)
             opt.step()
             losses.append(m["loss"])
-            c = np.stack([np.bincount(_np(r[2]).ravel().astype(np.int64), minlength=e.n_experts) for r in routers])
+            c = np.stack([np.bincount(to_numpy(r[2]).ravel().astype(np.int64), minlength=e.n_experts) for r in routers])
             counts.append(c)
             if e.use_expert_bias:
                 with torch.no_grad():
@@ -244,7 +244,7 @@ class HFSide:
 
     def _snapshot(self, biases) -> dict:
         have = [b for b in biases if b is not None]
-        return {"params": self.params(), "bias": np.stack([_np(b) for b in have]) if have else None}
+        return {"params": self.params(), "bias": np.stack([to_numpy(b) for b in have]) if have else None}
 
 
 __all__ = ["HFSide", "lb_pooled"]

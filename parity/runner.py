@@ -17,7 +17,7 @@ One run (:func:`run_suite`) goes, top to bottom (the set-up and the two sides ar
 6. **Losses** (ce, z_loss, lb, seq_aux, router_z, total) with each side's ``compute_loss``.
 7. **Gradients** of every parameter, by HF name: jaxmoe's ``make_grad_fn`` (the real training
    path, micro-batch accumulation included) against torch_ref's ``accumulate_gradients``.
-8. **N optimizer steps** with ``jaxmoe.train.make_train_step`` and ``torch_ref.train.train_step``
+8. **N optimizer steps** with ``jaxmoe.step.make_train_step`` and ``torch_ref.train.train_step``
    on the same batches: loss curves, every parameter and the expert biases afterwards.
 9. **First divergence**: the earliest check in forward order that fails.
 
@@ -50,7 +50,7 @@ from parity.checks import (
     first_divergence,
     selection_gap,
 )
-from parity.sides import JaxSide, TorchSide, _np, init_weights, make_batches, setup_numerics, to_hf
+from parity.sides import JaxSide, TorchSide, to_numpy, init_weights, make_batches, setup_numerics, to_hf
 from parity.tolerances import DEFAULT_INIT_SCALE, SIZE_PROFILES, tolerances_for
 
 # jax (and torch, through parity.sides) is imported only inside functions: `import parity.runner`
@@ -202,7 +202,7 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     if "hf" not in cache:
         cache["hf"] = to_hf(cfg, params, buffers)
     hf = cache["hf"]
-    bias = _np(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
+    bias = to_numpy(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
     batches = make_batches(cfg, max(1, n_steps), opts.seed)
     timings["setup"] = time.perf_counter() - t0
 

@@ -159,7 +159,7 @@ def torch_batch(batch: dict) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _np(x) -> np.ndarray:
+def to_numpy(x) -> np.ndarray:
     """jax / torch / numpy -> numpy (fp32 and int kept; bf16 widened to fp32)."""
     try:
         import torch  # late, and optional here: jax and numpy inputs need no torch
@@ -180,7 +180,7 @@ def _np(x) -> np.ndarray:
 def _tree_np(tree):
     if isinstance(tree, dict):
         return {k: _tree_np(v) for k, v in tree.items()}
-    return _np(tree)
+    return to_numpy(tree)
 
 
 class JaxSide:
@@ -189,19 +189,19 @@ class JaxSide:
     def __init__(self, cfg: Config, params, buffers, mesh_ctx=None):
         import jax  # late: jax (see the note on imports)
 
-        from jaxmoe.model.transformer import apply_model
+        from jaxmoe.model.transformer import Model
 
         self.cfg, self.ctx = cfg, mesh_ctx
-        self.dispatch = mesh_ctx.dispatch if mesh_ctx is not None else None
+        self.model = Model(cfg) if mesh_ctx is None else mesh_ctx.model()
         self.params0, self.buffers0 = params, buffers
         if mesh_ctx is not None:
             params = mesh_ctx.place_params(params)
             buffers = mesh_ctx.place_params(buffers) if buffers else buffers
         self.params, self.buffers = params, buffers
-        disp = self.dispatch
+        model = self.model
 
         def fwd(p, b, tokens, forced):
-            return apply_model(cfg, p, b, tokens, forced_idx=forced, return_probes=True, dispatch=disp)
+            return model(p, b, tokens, forced_idx=forced, return_probes=True)
 
         self._fwd = jax.jit(fwd)
 
@@ -222,22 +222,20 @@ class JaxSide:
         f = None if forced is None else jnp.asarray(forced, jnp.int32)
         logits, aux = self._fwd(self.params, self.buffers, jb["inputs"], f)
         _, metrics = compute_loss(self.cfg, logits, aux, jb)
-        return {"logits": _np(logits), "aux": _tree_np(aux), "losses": {k: float(v) for k, v in metrics.items()}}
+        return {"logits": to_numpy(logits), "aux": _tree_np(aux), "losses": {k: float(v) for k, v in metrics.items()}}
 
     def grads(self, batch: dict, forced=None, patch=None) -> dict[str, np.ndarray]:
         """Gradients by HF name, from the training path itself: ``make_grad_fn`` (micro-batch
         accumulation included), with ``forced_idx`` when a routing is replayed; ``patch`` (a
         context manager) is active while the function is traced (a fault's jax-side hook)."""
         import jax  # late: jax (see the note on imports)
-        import jax.numpy as jnp
 
-        from jaxmoe.objective import make_grad_fn
+        from jaxmoe.objective import make_grad_fn, with_forced_routing
 
         cfg = self.cfg
-        jb = self.batch(batch)
-        f = None if forced is None else jnp.asarray(forced, jnp.int32)
+        jb = self.batch(batch if forced is None else with_forced_routing(batch, forced))
         with patch if patch is not None else contextlib.nullcontext():  # a fault's jax-side patch (traced here)
-            grads, _, _ = jax.jit(make_grad_fn(cfg, dispatch=self.dispatch))(self.params, self.buffers, jb, f)
+            grads, _, _ = jax.jit(make_grad_fn(self.model))(self.params, self.buffers, jb)
         return to_hf(cfg, _tree_np(grads), with_buffers=False)
 
     def train(self, batches: list[dict]) -> dict:
@@ -251,12 +249,12 @@ class JaxSide:
         state = init_state(cfg, tx, self.params0, self.buffers0)
         if self.ctx is not None:
             state = self.ctx.place_state(state)
-        step = make_train_step(cfg, tx, dispatch=self.dispatch, donate=False)
+        step = make_train_step(self.model, tx, donate=False)
         losses, counts, first = [], [], None
         for i, b in enumerate(batches):
             state, m = step(state, self.batch(b))
             losses.append(float(m["loss"]))
-            counts.append(np.rint(_np(m["counts"])).astype(np.int64))
+            counts.append(np.rint(to_numpy(m["counts"])).astype(np.int64))
             if i == 0:  # after update 1: the optimizer faults are localised here
                 first = self._snapshot(state)
         out = self._snapshot(state)
@@ -323,7 +321,7 @@ class TorchSide:
         with self.patched(), torch.no_grad():
             logits, aux = self.model(tb["inputs"], forced_idx=f, return_probes=True)
             _, metrics = compute_loss(self.cfg, logits, aux, tb)
-        return {"logits": _np(logits), "aux": _tree_np(aux), "losses": dict(metrics)}
+        return {"logits": to_numpy(logits), "aux": _tree_np(aux), "losses": dict(metrics)}
 
     def grads(self, batch: dict, forced=None) -> dict[str, np.ndarray]:
         import torch  # late: torch (see the note on imports)
@@ -346,7 +344,7 @@ class TorchSide:
                     weighted_total(cfg, terms, aux_scale=1.0 / n).backward()
         out = {}
         for name, p in model.named_parameters():
-            out[name] = np.zeros(tuple(p.shape), np.float32) if p.grad is None else _np(p.grad).astype(np.float32)
+            out[name] = np.zeros(tuple(p.shape), np.float32) if p.grad is None else to_numpy(p.grad).astype(np.float32)
         model.zero_grad(set_to_none=True)
         return out
 
@@ -358,7 +356,7 @@ class TorchSide:
         # expert counts of each step, captured from the MoE blocks' aux (train_step returns none)
         seen: list = []
         blocks = model.moe_blocks()
-        hooks = [blk.register_forward_hook(lambda mod, inp, out, j=j: seen.append((j, _np(out[1]["counts"]))))
+        hooks = [blk.register_forward_hook(lambda mod, inp, out, j=j: seen.append((j, to_numpy(out[1]["counts"]))))
                  for j, blk in enumerate(blocks)]
         losses, counts, first = [], [], None
         try:
@@ -383,6 +381,6 @@ class TorchSide:
 
     @staticmethod
     def _snapshot(model) -> dict:
-        params = {n: _np(p).astype(np.float32) for n, p in model.named_parameters()}
+        params = {n: to_numpy(p).astype(np.float32) for n, p in model.named_parameters()}
         biases = model.expert_biases()
-        return {"params": params, "bias": np.stack([_np(b) for b in biases]) if biases else None}
+        return {"params": params, "bias": np.stack([to_numpy(b) for b in biases]) if biases else None}

@@ -97,7 +97,7 @@ def test_ragged_swiglu_through_kernels_matches_xla(monkeypatch):
     gs = jnp.asarray([7, 0, 12, 6], jnp.int32)  # 25 of 30 rows
 
     def loss(kernel, x, w):
-        y = experts_mod._ragged_swiglu(x.astype(jnp.bfloat16), gs, w, kernel)
+        y = experts_mod.ragged_swiglu(x.astype(jnp.bfloat16), gs, w, kernel)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     (lm, ym), gm = jax.value_and_grad(lambda x, w: loss("mosaic_gpu", x, w), argnums=(0, 1), has_aux=True)(x, w)

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxmoe.config import count_params, load_config
 from jaxmoe.objective import model_loss
-from jaxmoe.model.transformer import Transformer, apply_model, init_params, param_count
+from jaxmoe.model.transformer import Model, Transformer, apply_model, init_params, param_count
 
 B, S = 2, 8
 
@@ -80,7 +80,7 @@ def _loss_and_grads(cfg, params, buffers, batch):
 
     def fn(p):
         (loss, (metrics, aux)), grads = jax.value_and_grad(
-            lambda p: model_loss(cfg, p, buffers, batch), has_aux=True)(p)
+            lambda p: model_loss(Model(cfg), p, buffers, batch), has_aux=True)(p)
         aux = dict(aux, logits=apply_model(cfg, p, buffers, batch["inputs"])[0])
         return loss, metrics, aux, grads
 

@@ -12,7 +12,7 @@ import pytest
 
 from jaxmoe.checkpoint import Checkpointer
 from jaxmoe.config import load_config
-from jaxmoe.model.transformer import OFFLOADED, abstract_params, declared_groups, init_params
+from jaxmoe.model.transformer import OFFLOADED, Model, abstract_params, declared_groups, init_params
 from jaxmoe.objective import model_loss
 from jaxmoe.optim import build_optimizer
 from jaxmoe.step import HOST_KIND, init_state, make_train_step, state_shardings
@@ -46,7 +46,7 @@ def _train(cfg):
     if sh is not None:
         state = jax.device_put(state, sh)
     batches = _batches(cfg)
-    compiled = make_train_step(cfg, tx).lower(state, batches[0]).compile()
+    compiled = make_train_step(Model(cfg), tx).lower(state, batches[0]).compile()
     losses = []
     for batch in batches:
         state, m = compiled(state, batch)
@@ -116,7 +116,7 @@ def test_activation_offload_same_losses_and_residuals_in_host_memory():
     stack = (m.n_moe_layers, cfg.train.batch_size, cfg.train.seq_len, m.d_model)
 
     def residuals(c):
-        fn = jax.jit(lambda p: model_loss(c, p, buffers, batch)[0])
+        fn = jax.jit(lambda p: model_loss(Model(c), p, buffers, batch)[0])
         _, vjp = jax.vjp(fn, params)
         return [x for x in jax.tree.leaves(vjp) if isinstance(x, jax.Array)]
 

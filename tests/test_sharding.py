@@ -172,11 +172,11 @@ def _close_tree(a, b, rtol=1e-5, atol=1e-7):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=max(atol, rtol * scale), err_msg=jax.tree_util.keystr(kp))
 
 
-def _grad_fn(cfg, dispatch):
+def _grad_fn(model):
     from jaxmoe.objective import model_loss
 
     def f(params, buffers, batch):
-        total, (metrics, aux) = model_loss(cfg, params, buffers, batch, dispatch=dispatch)
+        total, (metrics, aux) = model_loss(model, params, buffers, batch)
         return total, (metrics["ce"], aux["counts"])
 
     return jax.jit(jax.value_and_grad(f, has_aux=True))
@@ -188,20 +188,20 @@ _REF = {}
 def _reference(preset):
     """Single-device loss/grads and 5 training steps, computed once per preset."""
     if preset not in _REF:
-        from jaxmoe.model.transformer import init_params
+        from jaxmoe.model.transformer import Model, init_params
 
         cfg = _cfg(preset)
         params, buffers = init_params(cfg, 0)
         batch = _batch(cfg)
-        (loss, (ce, counts)), grads = _grad_fn(cfg, None)(params, buffers, batch)
+        (loss, (ce, counts)), grads = _grad_fn(Model(cfg))(params, buffers, batch)
         _REF[preset] = {"params": params, "buffers": buffers, "loss": loss, "counts": counts, "grads": grads}
     return _REF[preset]
 
 
 def _train_steps(cfg, ctx, n=5):
-    from jaxmoe.model.transformer import declared_groups, init_params
+    from jaxmoe.model.transformer import Model, declared_groups, init_params
     from jaxmoe.optim import build_optimizer
-    from jaxmoe.train import init_state, make_train_step
+    from jaxmoe.step import init_state, make_train_step
 
     params, buffers = init_params(cfg, 0)
     tx = build_optimizer(cfg.train, params, declared_groups(cfg))
@@ -209,7 +209,7 @@ def _train_steps(cfg, ctx, n=5):
     if ctx is not None:
         state = ctx.place_state(state)
         shardings = jax.tree.map(lambda x: x.sharding, state)
-    step = make_train_step(cfg, tx, dispatch=ctx.dispatch if ctx else None, donate=False)
+    step = make_train_step(ctx.model() if ctx else Model(cfg), tx, donate=False)
     losses = []
     for i in range(n):
         b = _batch(cfg, seed=100 + i)
@@ -267,7 +267,7 @@ def test_loss_and_every_gradient_match_single_device(preset, mesh_spec, kind, ch
     )
     if ea == "fsdp,expert":  # whole experts: E over both axes, nothing gathered at dispatch
         assert params["moe"]["experts"]["gate_proj"].sharding.spec == P(None, ("fsdp", "expert"), None, None)
-    (loss, (ce, counts)), grads = _grad_fn(cfg, ctx.dispatch)(params, buffers, batch)
+    (loss, (ce, counts)), grads = _grad_fn(ctx.model())(params, buffers, batch)
     _close_tree(loss, ref["loss"])
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref["counts"]))
     _close_tree(grads, ref["grads"])
@@ -309,7 +309,7 @@ def test_state_restore_targets_and_optimizer_specs(optimizer):
     optimizer moments are sharded like their parameters."""
     from jaxmoe.model.transformer import declared_groups, init_params
     from jaxmoe.optim import build_optimizer
-    from jaxmoe.train import init_state
+    from jaxmoe.step import init_state
 
     cfg = _cfg("tiny")
     cfg = cfg.replace(train=dataclasses.replace(cfg.train, optimizer=optimizer))

@@ -2,7 +2,8 @@
 
 ``expert_ffn(x, topk_idx, topk_weights, weights, moe_cfg, path=...)`` is the single-device entry
 point: every (token, expert) assignment through that expert's SwiGLU, then the fp32 combine.
-Expert-parallel dispatchers (:mod:`jaxmoe.dispatch`) replace it with the same signature. The
+Expert-parallel dispatchers (:mod:`jaxmoe.dispatch`) have the same signature and take its place
+in :class:`Experts` when the model is placed on a mesh. The
 paths are equal in output and gradients (tests/test_experts.py); :data:`PATHS` is the table of
 implementations, and says for each whether it can run under a mesh (on rows already grouped by
 expert, which is what a dispatcher receives):
@@ -16,10 +17,9 @@ expert, which is what a dispatcher receives):
     Sort assignments by expert, then a grouped matmul per projection (dropless), by
     ``moe.ragged_kernel`` (:mod:`jaxmoe.model.grouped_gemm`): ``xla`` = ``jax.lax.ragged_dot``,
     native on TPU; elsewhere (jax 0.10-0.11) lowered densely, through a ``[E, rows, K]`` masked
-    copy of its operand, E times the memory and FLOPs of the work (on an H200 the fine benchmark
-    shape asked for one 32 GiB buffer, = 64 x 131072 x 2048 bf16). ``mosaic_gpu`` = jax's Hopper
-    grouped-GEMM kernels (bf16; not yet run on a GPU by this project). On CPU use ``blocked``
-    (docs/MEASUREMENTS.md).
+    copy of its operand, E times the memory and FLOPs of the work (docs/MEASUREMENTS.md, "GPU").
+    ``mosaic_gpu`` = jax's Hopper grouped-GEMM kernels (bf16; not yet run on a GPU by this
+    project). On CPU use ``blocked``.
 ``blocked``
     Dropless and fast on CPU: block-padded per-expert runs of plain matmuls with a hand-written
     backward (:mod:`jaxmoe.model.blocked`).
@@ -83,7 +83,7 @@ def _dense_path(x, topk_idx, topk_weights, weights, moe_cfg):
 # ---------------------------------------------------------------------------------------------
 
 
-def _ragged_swiglu(x_sorted, group_sizes, weights, kernel="xla"):
+def ragged_swiglu(x_sorted, group_sizes, weights, kernel="xla"):
     """SwiGLU of expert-grouped rows by grouped matmuls (``moe.ragged_kernel``: xla or mosaic_gpu)."""
     dt = x_sorted.dtype
     f32 = jnp.float32
@@ -111,7 +111,7 @@ def _blocked_rows(x_sorted, group_sizes, weights, moe_cfg):
 
 
 def _ragged_rows(x_sorted, group_sizes, weights, moe_cfg):
-    return _ragged_swiglu(x_sorted, group_sizes, weights, moe_cfg.ragged_kernel)
+    return ragged_swiglu(x_sorted, group_sizes, weights, moe_cfg.ragged_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,15 +198,21 @@ def expert_ffn(x, topk_idx, topk_weights, weights, moe_cfg: MoEConfig, *, path=N
 
 class Experts(nnx.Module):
     """The routed experts of one MoE layer: ``gate_proj``/``up_proj [E, D, I]``,
-    ``down_proj [E, I, D]``. ``experts(x, idx, w, moe_cfg, dispatch=None)`` runs
-    :func:`expert_ffn` (or the expert-parallel ``dispatch`` with its signature)."""
+    ``down_proj [E, I, D]``, and the function that runs them, ``dispatch``: :func:`expert_ffn`
+    (one device) unless the model was built placed on a mesh, where it is that mesh's
+    expert-parallel dispatcher (:func:`jaxmoe.dispatch.make_dispatch`, same signature). The
+    dispatcher is static structure of the module (part of its graphdef), not a call argument:
+    ``experts(x, topk_idx, topk_weights)`` is the whole call."""
 
     @builds
-    def __init__(self, m: ModelConfig, e: MoEConfig, *, stack: tuple = (), rngs: nnx.Rngs):
+    def __init__(self, m: ModelConfig, e: MoEConfig, *, stack: tuple = (), rngs: nnx.Rngs,
+                 dispatch: Callable | None = None):
         shape_in = stack + (e.n_experts, m.d_model, e.expert_ffn_dim)
         shape_out = stack + (e.n_experts, e.expert_ffn_dim, m.d_model)
         ax_in = stack_axes(stack, ("experts", "expert_embed", "expert_mlp"))
         ax_out = stack_axes(stack, ("experts", "expert_mlp", "expert_embed"))
+        self.moe_cfg = e
+        self.dispatch = dispatch if dispatch is not None else expert_ffn
         self.gate_proj = ExpertLinear.declare(shape_in, ax_in, normal(m.init_std))
         self.up_proj = ExpertLinear.declare(shape_in, ax_in, normal(m.init_std))
         self.down_proj = ExpertLinear.declare(shape_out, ax_out, normal(m.init_std))
@@ -215,10 +221,11 @@ class Experts(nnx.Module):
         return {"gate_proj": self.gate_proj.get_value(), "up_proj": self.up_proj.get_value(),
                 "down_proj": self.down_proj.get_value()}
 
-    def __call__(self, x, topk_idx, topk_weights, moe_cfg: MoEConfig, dispatch=None):
-        ffn = dispatch if dispatch is not None else expert_ffn
-        return ffn(x, topk_idx, topk_weights, self.weights(), moe_cfg)
+    def __call__(self, x, topk_idx, topk_weights):
+        """``x [T, D]``, ``topk_idx``/``topk_weights [T, k]`` -> ``(y [T, D], stats)`` (see
+        :func:`expert_ffn`)."""
+        return self.dispatch(x, topk_idx, topk_weights, self.weights(), self.moe_cfg)
 
 
-__all__ = ["ExpertPath", "Experts", "PATHS", "capacity", "expert_ffn", "get_path", "grouped_swiglu",
+__all__ = ["ExpertPath", "Experts", "PATHS", "capacity", "expert_ffn", "get_path", "grouped_swiglu", "ragged_swiglu",
            "slot_positions"]

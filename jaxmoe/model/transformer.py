@@ -8,8 +8,13 @@ paths. Two ways to use it:
 * as a Flax module: ``model = Transformer(cfg, rngs=nnx.Rngs(0)); logits, aux = model(tokens)``,
   trainable with ``nnx.Optimizer`` / optax (README, tests/test_model.py);
 * functionally, on split state (what the jitted train step does): :func:`init_params`
-  ``(cfg, seed) -> (params, buffers)`` as nested dicts of arrays, and :func:`apply_model`
-  ``(cfg, params, buffers, tokens) -> (logits, aux)``, which merges them into the module.
+  ``(cfg, seed) -> (params, buffers)`` as nested dicts of arrays, and :class:`Model`
+  ``(cfg, dispatch)(params, buffers, tokens) -> (logits, aux)``, which merges them into the
+  module (:func:`apply_model` for one device).
+
+Placed on a mesh, the model is built with that mesh's expert-parallel dispatcher
+(``Transformer(cfg, rngs=..., dispatch=ctx.dispatch)`` or ``ctx.model()``): the dispatcher is
+part of the module's structure, so no call below the model's own takes one.
 
 Layer stacks are scanned: the dense layers and the MoE layers are each one layer module declared
 with a leading ``layers`` axis (``stack=(L,)``), run by ``jax.lax.scan`` over its split state
@@ -40,9 +45,10 @@ from jaxmoe.config import Config
 from jaxmoe.model.attention import make_attention
 from jaxmoe.model.layers import rope_tables
 from jaxmoe.model.mlp import SwiGLU
-from jaxmoe.model.moe import MoEBlock
+from jaxmoe.model.moe import MoEBlock, no_routing
 from jaxmoe.model.params import (Buffer, Decl, Embedding, Linear, RMSNorm, builds, declarations, normal,
                                  ones, stack_axes)
+from jaxmoe.model.router import RouterOut
 from jaxmoe.trees import unflatten
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -63,10 +69,10 @@ class DecoderLayer(nnx.Module):
         self.attn = make_attention(m, stack=stack, kernel=cfg.train.attention_kernel, rngs=rngs)
         self.ffn_norm = RMSNorm.declare(stack + (m.d_model,), norm, ones(), eps=m.rms_norm_eps)
 
-    def ffn(self, h, *, forced_idx=None, dispatch=None):
+    def ffn(self, h, forced_idx=None):
         raise NotImplementedError
 
-    def __call__(self, x, cos, sin, *, forced_idx=None, dispatch=None):
+    def __call__(self, x, cos, sin, forced_idx=None):
         """-> ``(x, attn_out, ffn_out, routing or None)``. The residuals a remat policy may keep
         are named (:data:`OFFLOADED`): the layer input, the attention output, the FFN / MoE
         block's input and output."""
@@ -74,7 +80,7 @@ class DecoderLayer(nnx.Module):
         a = checkpoint_name(self.attn(self.attn_norm(x), cos, sin), "attn_out")
         x = x + a
         h = checkpoint_name(self.ffn_norm(x), "ffn_in")
-        f, routing = self.ffn(h, forced_idx=forced_idx, dispatch=dispatch)
+        f, routing = self.ffn(h, forced_idx)
         f = checkpoint_name(f, "ffn_out")
         return x + f, a, f, routing
 
@@ -88,22 +94,23 @@ class DenseLayer(DecoderLayer):
         m = cfg.model
         self.mlp = SwiGLU(m.d_model, m.dense_ffn_dim, m.init_std, stack=stack, rngs=rngs)
 
-    def ffn(self, h, *, forced_idx=None, dispatch=None):
+    def ffn(self, h, forced_idx=None):
         return self.mlp(h), None
 
 
 class MoELayer(DecoderLayer, MoEBlock):
     """A decoder layer whose FFN is the MoE block. It extends :class:`MoEBlock`, so the block's
     weights sit at the layer's level (``moe/router``, ``moe/experts/*``, ``moe/shared/*``), as
-    in the canonical layout."""
+    in the canonical layout (checkpoints, the HF name map and the sharding rules read those paths;
+    a ``block`` submodule would insert a level), and ``model.moe`` is a ``MoEBlock`` to a user."""
 
     @builds
-    def __init__(self, cfg: Config, *, stack: tuple = (), rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, stack: tuple = (), rngs: nnx.Rngs, dispatch: Callable | None = None):
         self._init_attention(cfg, stack, rngs)
-        MoEBlock.__init__(self, cfg, stack=stack, rngs=rngs)
+        MoEBlock.__init__(self, cfg, stack=stack, rngs=rngs, dispatch=dispatch)
 
-    def ffn(self, h, *, forced_idx=None, dispatch=None):
-        return MoEBlock.__call__(self, h, forced_idx=forced_idx, dispatch=dispatch)
+    def ffn(self, h, forced_idx=None):
+        return MoEBlock.__call__(self, h, forced_idx=forced_idx)
 
 
 # remat="offload": the per-layer residuals kept for the backward, all in pinned host memory.
@@ -133,7 +140,7 @@ def _remat(fn: Callable, mode: str) -> Callable:
     raise ValueError(f"unknown train.remat {mode!r}")
 
 
-def _scan_layers(layers: nnx.Module, x, xs_extra, body_kw, mode, unroll, return_probes, cos, sin):
+def _scan_layers(layers: nnx.Module, x, forced_idx, mode, unroll, return_probes, cos, sin):
     """Run a stacked layer module over ``x`` with ``jax.lax.scan`` over its split state,
     ``unroll`` layers per iteration (``train.scan_unroll``; 0 = all of them)."""
     graphdef, state = nnx.split(layers)
@@ -142,7 +149,7 @@ def _scan_layers(layers: nnx.Module, x, xs_extra, body_kw, mode, unroll, return_
     def body(x, xs):
         layer_state, forced = xs
         layer = nnx.merge(graphdef, layer_state)
-        x, a, f, routing = layer(x, cos, sin, forced_idx=forced, **body_kw)
+        x, a, f, routing = layer(x, cos, sin, forced)
         out = {}
         if routing is not None:
             out["routing"] = routing
@@ -150,7 +157,7 @@ def _scan_layers(layers: nnx.Module, x, xs_extra, body_kw, mode, unroll, return_
             out["attn_out"], out["ffn_out"] = a, f
         return x, out
 
-    return jax.lax.scan(_remat(body, mode), x, (state, xs_extra), unroll=min(unroll or n, n))
+    return jax.lax.scan(_remat(body, mode), x, (state, forced_idx), unroll=min(unroll or n, n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,30 +166,32 @@ def _scan_layers(layers: nnx.Module, x, xs_extra, body_kw, mode, unroll, return_
 
 
 class Transformer(nnx.Module):
-    """The MoE language model of ``cfg`` (see the module doc)."""
+    """The MoE language model of ``cfg`` (see the module doc). ``dispatch``: the expert-parallel
+    dispatcher of the mesh the model is placed on (``MeshContext.dispatch``,
+    :func:`jaxmoe.dispatch.make_dispatch`); None runs the experts on one device. It is bound into
+    the MoE layers' :class:`~jaxmoe.model.experts.Experts` here, so ``model(tokens)`` is the
+    whole call."""
 
     @builds
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, dispatch: Callable | None = None):
         m = cfg.model
         self.cfg = cfg
         self.embed = Embedding.declare((m.vocab_size, m.d_model), ("vocab", "embed"), normal(m.init_std))
         if m.first_k_dense > 0:  # layer stacks: one module each, scanned
             self.dense = DenseLayer(cfg, stack=(m.first_k_dense,), rngs=rngs)
         if m.n_moe_layers > 0:
-            self.moe = MoELayer(cfg, stack=(m.n_moe_layers,), rngs=rngs)
+            self.moe = MoELayer(cfg, stack=(m.n_moe_layers,), rngs=rngs, dispatch=dispatch)
         self.final_norm = RMSNorm.declare((m.d_model,), ("norm",), ones(), eps=m.rms_norm_eps)
         if not m.tie_embeddings:
             self.lm_head = Linear.declare((m.d_model, m.vocab_size), ("embed", "vocab"),
                                           normal(m.init_std), group="head")
 
     def __call__(self, tokens: jax.Array, *, forced_idx: jax.Array | None = None,
-                 return_probes: bool = False, dispatch: Callable | None = None,
-                 return_hidden: bool = False):
+                 return_probes: bool = False, return_hidden: bool = False):
         """``tokens [B, S]`` int32 -> ``(logits [B, S, V] fp32, aux)``; with ``return_hidden`` the
         final-normed hidden states ``[B, S, D]`` in place of the logits (see :meth:`head`).
 
-        ``forced_idx [Lm, B*S, k]`` replays a routing (parity); ``dispatch`` replaces
-        :func:`jaxmoe.model.experts.expert_ffn` (expert-parallel dispatchers).
+        ``forced_idx [Lm, B*S, k]`` replays a routing (parity).
         """
         cfg = self.cfg
         m, e = cfg.model, cfg.moe
@@ -195,26 +204,18 @@ class Transformer(nnx.Module):
         kw = dict(mode=cfg.train.remat, unroll=cfg.train.scan_unroll, return_probes=return_probes, cos=cos, sin=sin)
         attn_outs = []
         if m.first_k_dense > 0:
-            x, ys = _scan_layers(self.dense, x, None, {}, **kw)
+            x, ys = _scan_layers(self.dense, x, None, **kw)
             if return_probes:
                 attn_outs.append(ys["attn_out"])
                 probes["ffn_out"] = ys["ffn_out"]
         if m.n_moe_layers > 0:
-            x, ys = _scan_layers(self.moe, x, forced_idx, {"dispatch": dispatch}, **kw)
+            x, ys = _scan_layers(self.moe, x, forced_idx, **kw)
             routing = ys["routing"]
             if return_probes:
                 attn_outs.append(ys["attn_out"])
                 probes["moe_out"] = ys["ffn_out"]
         else:
-            ne, k = e.n_experts, e.top_k
-            routing = {
-                "logits": jnp.zeros((0, t, ne), jnp.float32),
-                "scores": jnp.zeros((0, t, ne), jnp.float32),
-                "topk_idx": jnp.zeros((0, t, k), jnp.int32),
-                "topk_weights": jnp.zeros((0, t, k), jnp.float32),
-                "counts": jnp.zeros((0, ne), jnp.int32),
-                "dropped": jnp.zeros((0,), jnp.int32),
-            }
+            routing = no_routing(t, e)
         x = self.final_norm(x)
         if return_hidden:  # the loss applies the LM head itself (chunked cross-entropy)
             logits = x
@@ -224,7 +225,7 @@ class Transformer(nnx.Module):
             head = self.lm_head.get_value()
             logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dtype), preferred_element_type=jnp.float32)
         aux = {
-            "router": {k: routing[k] for k in ("logits", "scores", "topk_idx", "topk_weights")},
+            "router": {k: routing[k] for k in RouterOut._fields},
             "counts": routing["counts"],
             "dropped": routing["dropped"],
         }
@@ -277,13 +278,13 @@ def split_state(model: nnx.Module) -> tuple[dict, dict]:
 _TEMPLATES: collections.OrderedDict = collections.OrderedDict()
 
 
-def template(cfg: Config):
-    """``(graphdef, abstract params State, abstract buffers State)`` of ``cfg``'s model, built once
-    per config without allocating (``nnx.eval_shape``)."""
-    key = cfg.to_json()
+def template(cfg: Config, dispatch: Callable | None = None):
+    """``(graphdef, abstract params State, abstract buffers State)`` of ``cfg``'s model built with
+    ``dispatch``, once per (config, dispatcher) without allocating (``nnx.eval_shape``)."""
+    key = (cfg.to_json(), dispatch)
     hit = _TEMPLATES.get(key)
     if hit is None:
-        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dispatch=dispatch))
         hit = nnx.split(abstract, nnx.Param, Buffer)
         _TEMPLATES[key] = hit
         while len(_TEMPLATES) > 64:
@@ -298,10 +299,30 @@ def _fill(abstract_state, pure: dict):
     return state
 
 
-def merge_model(cfg: Config, params: dict, buffers: dict) -> Transformer:
-    """The :class:`Transformer` of ``cfg`` holding ``params`` / ``buffers`` (no copy)."""
-    graphdef, abs_params, abs_buffers = template(cfg)
-    return nnx.merge(graphdef, _fill(abs_params, params), _fill(abs_buffers, buffers or {}))
+class Model:
+    """``cfg``'s model as a function of split state: what the jitted train, eval and parity steps
+    trace. ``dispatch`` is the expert-parallel dispatcher of the mesh the model is placed on
+    (``MeshContext.model()``; None = one device), bound into the module it builds, so the steps
+    and the objective pass the model, never a dispatcher.
+
+    ``Model(cfg)(params, buffers, tokens)`` -> ``(logits, aux)`` (:meth:`Transformer.__call__`);
+    with ``return_hidden``: ``(hidden [B, S, D], head [D, V], aux)`` (chunked cross-entropy)."""
+
+    def __init__(self, cfg: Config, dispatch: Callable | None = None):
+        self.cfg = cfg
+        self.dispatch = dispatch
+
+    def merge(self, params: dict, buffers: dict) -> Transformer:
+        """The :class:`Transformer` holding ``params`` / ``buffers`` (no copy)."""
+        graphdef, abs_params, abs_buffers = template(self.cfg, self.dispatch)
+        return nnx.merge(graphdef, _fill(abs_params, params), _fill(abs_buffers, buffers or {}))
+
+    def __call__(self, params: dict, buffers: dict, tokens: jax.Array, *,
+                 forced_idx: jax.Array | None = None, return_probes: bool = False,
+                 return_hidden: bool = False):
+        model = self.merge(params, buffers)
+        out = model(tokens, forced_idx=forced_idx, return_probes=return_probes, return_hidden=return_hidden)
+        return (out[0], model.head(), out[1]) if return_hidden else out
 
 
 _INIT_FNS: collections.OrderedDict = collections.OrderedDict()
@@ -336,15 +357,10 @@ def abstract_params(cfg: Config) -> tuple[dict, dict]:
     return _to_pure(p), _to_pure(b)
 
 
-def apply_model(cfg: Config, params: dict, buffers: dict, tokens: jax.Array, *,
-                forced_idx: jax.Array | None = None, return_probes: bool = False,
-                dispatch: Callable | None = None, return_hidden: bool = False):
-    """Forward pass on split state: ``Transformer.__call__`` of the merged model (see there).
-    With ``return_hidden``: ``(hidden [B, S, D], head [D, V], aux)`` (chunked cross-entropy)."""
-    model = merge_model(cfg, params, buffers)
-    out = model(tokens, forced_idx=forced_idx, return_probes=return_probes, dispatch=dispatch,
-                return_hidden=return_hidden)
-    return (out[0], model.head(), out[1]) if return_hidden else out
+def apply_model(cfg: Config, params: dict, buffers: dict, tokens: jax.Array, **kw):
+    """The forward pass of ``cfg``'s model on one device: ``Model(cfg)(params, buffers, tokens,
+    **kw)`` (see :class:`Model`)."""
+    return Model(cfg)(params, buffers, tokens, **kw)
 
 
 def LAYER_STACKS(cfg: Config) -> list[tuple[str, int, int]]:  # noqa: N802 (a table, by config)
@@ -369,19 +385,11 @@ def declared_groups(cfg: Config) -> dict:
     return unflatten({k: d.group for k, d in model_declarations(cfg).items() if d.trained})
 
 
-def declared_axes(cfg: Config) -> tuple[dict, dict]:
-    """The logical axes of every parameter and buffer, nested like ``(params, buffers)`` (for
-    the rules table in jaxmoe.sharding)."""
-    decl = model_declarations(cfg)
-    return (unflatten({k: d.axes for k, d in decl.items() if d.trained}),
-            unflatten({k: d.axes for k, d in decl.items() if not d.trained}))
-
-
 def param_count(params) -> int:
     """Total number of scalars in ``params``."""
     return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
 
 
-__all__ = ["DTYPES", "LAYER_STACKS", "DecoderLayer", "DenseLayer", "MoELayer", "Transformer", "abstract_params",
-           "apply_model", "declared_axes", "declared_groups", "init_fn", "init_params", "merge_model",
+__all__ = ["DTYPES", "LAYER_STACKS", "DecoderLayer", "DenseLayer", "Model", "MoELayer", "Transformer",
+           "abstract_params", "apply_model", "declared_groups", "init_fn", "init_params",
            "model_declarations", "param_count", "split_state", "template"]
