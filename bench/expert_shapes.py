@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from experts import SHAPES, _best, expert_inputs, ideal_batched_ffn  # noqa: E402
+from experts import SHAPES, best_of, expert_inputs, ideal_batched_ffn  # noqa: E402
 from jaxmoe.config import MoEConfig  # noqa: E402
 from jaxmoe.host_alloc import keep_freed_memory  # noqa: E402
 from jaxmoe.model.experts import expert_ffn  # noqa: E402
@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
         order = ("coarse", "fine") if r % 2 == 0 else ("fine", "coarse")
         for kind in ("blocked", "ideal_batched"):
             for s in order:
-                secs[(s, kind)].append(_best(*fns[s][kind], args.repeats))
+                secs[(s, kind)].append(best_of(*fns[s][kind], args.repeats))
     flops = 3 * 2.0 * args.tokens * k_c * 3 * d * i_c  # fwd+bwd, either shape
     out = {"tokens": args.tokens, "rounds": args.rounds, "block_size": args.block_size, "kinds": {}}
     for kind in ("blocked", "ideal_batched"):

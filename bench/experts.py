@@ -53,7 +53,7 @@ from jaxmoe.host_alloc import keep_freed_memory
 from jaxmoe.model.experts import PATHS, expert_ffn
 
 
-def _best(fn, args, repeats: int) -> float:
+def best_of(fn, args, repeats: int) -> float:
     # One untimed call first: the call right after another path's (a 6 s ragged backward, say)
     # measured up to 1.5x slower on the development VM, whatever the allocator settings.
     jax.block_until_ready(fn(*args))
@@ -225,10 +225,10 @@ def main(argv=None) -> dict:
     ref = {path: [] for path in paths}  # the matmul timed right beside each path, per round
     for _ in range(args.rounds):
         for path in paths:
-            before = _best(*timed["matmul"], args.repeats)
+            before = best_of(*timed["matmul"], args.repeats)
             for name in (f"{path}/fwd", f"{path}/fwd_bwd"):
-                secs[name].append(_best(*timed[name], args.repeats))
-            after = _best(*timed["matmul"], args.repeats)
+                secs[name].append(best_of(*timed[name], args.repeats))
+            after = best_of(*timed["matmul"], args.repeats)
             ref[path].append((before + after) / 2)  # the reference at the path's time
             secs["matmul"] += [before, after]
 

@@ -23,20 +23,6 @@ from jaxmoe.config import Config, load_config
 from jaxmoe.errors import UserError
 
 
-_LAZY = {"make_grad_fn": "objective", "router_stats": "objective", "split_micro_batches": "objective",
-         "model_loss": "objective", "init_state": "step", "make_train_step": "step",
-         "make_eval_step": "step", "device_peak_flops": "step"}
-
-
-def __getattr__(name):
-    # The step and the objective live in jaxmoe.step / jaxmoe.objective (they import jax); these
-    # names stay importable from here (public API) without importing jax for `jaxmoe train --help`.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"jaxmoe.{_LAZY[name]}"), name)
-    raise AttributeError(name)
-
 # jax is imported lazily (inside functions) so that `jaxmoe --help` and config errors are instant.
 
 
