@@ -13,6 +13,7 @@ orbax-checkpoint, numpy, safetensors. Everything else is an extra of ``pyproject
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from jaxmoe.errors import UserError
 
@@ -35,6 +36,14 @@ def hint(module: str, what: str) -> str:
             f"(or pip install -e '.[{extra}]' in a checkout)")
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (found, not imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def require(module: str, what: str):
     """``import module`` or raise :class:`UserError` with :func:`hint`'s one line."""
     try:
@@ -45,4 +54,4 @@ def require(module: str, what: str):
                         ) from None
 
 
-__all__ = ["EXTRA_OF", "hint", "require"]
+__all__ = ["EXTRA_OF", "hint", "installed", "require"]

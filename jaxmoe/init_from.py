@@ -28,9 +28,9 @@ import numpy as np
 from jaxmoe.config import Config, _apply, parse_override, validate
 from jaxmoe.errors import ConfigError, UserError
 from jaxmoe.model.transformer import abstract_params, model_declarations
-from jaxmoe.port import sources
-from jaxmoe.port.convert import carry_metadata, open_source, parse_endpoint
+from jaxmoe.port.formats import open_source, parse_endpoint
 from jaxmoe.port.hf_map import flatten, unflatten
+from jaxmoe.port.hf_meta import keep_in_run_dir, meta_files
 
 MODEL_SECTIONS = ("model", "moe")
 
@@ -41,26 +41,13 @@ FULL_HASH_BYTES = 4 * 2**30
 _SAMPLE = 2**20
 
 
-def _source_files(src) -> list[Path]:
-    """The files that hold the source's weights and config (for the fingerprint)."""
-    p = Path(src.ep.path)
-    if p.is_file():
-        return [p]
-    if src.ep.kind == "orbax":
-        step_dir = p / "checkpoints" / str(src.step) / "state"
-        files = [p / "config.toml"] + sorted(f for f in step_dir.rglob("*") if f.is_file())
-    else:
-        files = sorted(f for f in p.iterdir() if f.is_file()
-                       and (f.suffix in (".safetensors", ".json")))
-    return [f for f in files if f.is_file()]
-
-
-def _fingerprint(src) -> str:
-    """A content hash of the source: ``sha256:<hex>`` of every file's bytes (sources up to
-    :data:`FULL_HASH_BYTES`), else ``sha256-sampled:<hex>`` over each file's name, size,
-    safetensors header and three 1 MiB samples (cheap at any size; any re-save changes the
-    headers or sizes, an in-place edit of a large file's middle may go unnoticed)."""
-    files = _source_files(src)
+def fingerprint(src) -> str:
+    """A content hash of the opened source's files (``Source.content_files``): ``sha256:<hex>``
+    of every file's bytes (sources up to :data:`FULL_HASH_BYTES`), else
+    ``sha256-sampled:<hex>`` over each file's name, size, safetensors header and three 1 MiB
+    samples (cheap at any size; any re-save changes the headers or sizes, an in-place edit of a
+    large file's middle may go unnoticed)."""
+    files = src.content_files()
     root = Path(src.ep.path)
     total = sum(f.stat().st_size for f in files)
     full = total <= FULL_HASH_BYTES
@@ -85,26 +72,16 @@ def _fingerprint(src) -> str:
 
 def open_init_source(spec: str):
     """The opened source of ``--init-from SPEC`` (validated: config and tensor headers agree).
-    ``orbax:DIR@STEP`` opens that checkpoint step (default: the newest)."""
-    kind, _, rest = str(spec).partition(":")
-    step = None
-    if kind == "orbax" and "@" in rest:
-        rest, _, tail = rest.rpartition("@")
-        if not tail.isdigit():
-            raise UserError(f"--init-from {spec!r}: expected orbax:DIR@STEP with an integer STEP")
-        step = int(tail)
-    ep = parse_endpoint(f"{kind}:{rest}" if kind else spec, "--init-from")
-    src = sources.OrbaxSource(ep, step=step) if ep.kind == "orbax" else open_source(ep)
-    # what the run record keeps: absolute, and with the step actually read
-    src.spec = f"{ep.kind}:{ep.path.absolute()}" + (f"@{src.step}" if ep.kind == "orbax" else "")
-    return src
+    ``orbax:DIR@STEP`` opens that checkpoint step (default: the newest). Its ``spec`` is what the
+    run record keeps: absolute, with the step actually read."""
+    return open_source(parse_endpoint(spec, "--init-from"))
 
 
 def record_source_files(src, run_dir) -> list[str]:
     """Copy the source's non-weight HF files (tokenizer, generation config, the original
     config.json with its token ids) into ``RUN_DIR/hf_meta/``, so that converting the run back
-    to ``hf:`` restores them (see :func:`jaxmoe.port.convert.carry_metadata`)."""
-    return carry_metadata(src.ep, Path(run_dir), "orbax")
+    to ``hf:`` restores them (see :mod:`jaxmoe.port.hf_meta`)."""
+    return keep_in_run_dir(meta_files(src.meta_dir), Path(run_dir))
 
 
 def config_from_source(base: Config, src, overrides) -> Config:
@@ -176,4 +153,5 @@ def _place(arr: np.ndarray, sharding):
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
-__all__ = ["config_from_source", "load_weights", "open_init_source", "record_source_files"]
+__all__ = ["config_from_source", "fingerprint", "load_weights", "open_init_source",
+           "record_source_files"]

@@ -161,10 +161,10 @@ class Trainer:
         fields: dict = {"jaxmoe": "0.1.0", "steps": cfg.train.steps, "status": "running",
                         "start_step": start}
         if self.init_from is not None:
-            from jaxmoe.init_from import _fingerprint, record_source_files
+            from jaxmoe.init_from import fingerprint, record_source_files
 
             fields["init_from"] = {"source": getattr(self.init_from, "spec", str(self.init_from.ep)),
-                                   "fingerprint": _fingerprint(self.init_from)}
+                                   "fingerprint": fingerprint(self.init_from)}
         if rd.primary:
             rd.path.mkdir(parents=True, exist_ok=True)
             (rd.path / "config.toml").write_text(config_to_toml(cfg))

@@ -147,10 +147,10 @@ def _recorded_source(out: Path):
     rec = rd.record().get("init_from")
     if not rec or (rd.ckpt_dir.is_dir() and any(p.name.isdigit() for p in rd.ckpt_dir.iterdir())):
         return None
-    from jaxmoe.init_from import _fingerprint, open_init_source
+    from jaxmoe.init_from import fingerprint, open_init_source
 
     src = open_init_source(rec["source"])
-    if _fingerprint(src) != rec["fingerprint"]:
+    if fingerprint(src) != rec["fingerprint"]:
         raise UserError(f"--resume: the run started from {rec['source']}, whose contents changed since "
                         "(fingerprint differs); restore it or start a new run with --init-from")
     return src

@@ -102,11 +102,11 @@ def test_orbax_destination_checks_free_disk_first(tmp_path, monkeypatch, capsys)
     import shutil as _shutil
 
     from jaxmoe.cli import main
-    from jaxmoe.port import convert as convert_mod
+    from jaxmoe.port.formats import orbax as orbax_format
 
     _write_hf(load_config("tiny"), tmp_path / "hf")
     real = _shutil.disk_usage
-    monkeypatch.setattr(convert_mod.shutil, "disk_usage",
+    monkeypatch.setattr(orbax_format.shutil, "disk_usage",
                         lambda p: real(p)._replace(free=100_000))
     rc = main(["convert", "--from", f"hf:{tmp_path}/hf", "--to", f"orbax:{tmp_path}/run"])
     err = [x for x in capsys.readouterr().err.splitlines() if "error" in x]

@@ -16,9 +16,11 @@ import pytest
 from jaxmoe import checkpoint
 from jaxmoe.cli import main
 from jaxmoe.config import load_config
-from jaxmoe.port import convert as convert_mod
 from jaxmoe.port import hf_map
-from jaxmoe.port.convert import convert, parse_endpoint
+from jaxmoe.port.convert import convert
+from jaxmoe.port.formats import parse_endpoint
+from jaxmoe.port.formats.hf import HfTensorSink
+from jaxmoe.port.formats.orbax import OrbaxSink
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -76,13 +78,13 @@ def test_orbax_to_hf_runs_jax_against_transformers(run_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("mode", ["swap", "transpose"])
 def test_orbax_to_hf_mapping_error_is_caught(run_dir, tmp_path, capsys, monkeypatch, mode):
-    orig = convert_mod.TensorSink.write_leaf
+    orig = HfTensorSink.write_leaf
     fix = _corrupt(mode)
 
     def write_leaf(self, key, arr):
         orig(self, key, fix(arr) if key == EXPERT_LEAF else arr)
 
-    monkeypatch.setattr(convert_mod.TensorSink, "write_leaf", write_leaf)
+    monkeypatch.setattr(HfTensorSink, "write_leaf", write_leaf)
     rc, v = _convert_verify(capsys, f"orbax:{run_dir}", f"hf:{tmp_path}/hf")
     assert rc == 1 and not v["ok"] and v["max_abs"] > 1e-3, v
 
@@ -90,7 +92,7 @@ def test_orbax_to_hf_mapping_error_is_caught(run_dir, tmp_path, capsys, monkeypa
 @pytest.mark.parametrize("mode", ["swap", "transpose"])
 def test_hf_to_orbax_mapping_error_is_caught(run_dir, tmp_path, capsys, monkeypatch, mode):
     convert(parse_endpoint(f"orbax:{run_dir}"), parse_endpoint(f"hf:{tmp_path}/hf"))
-    orig = convert_mod.OrbaxSink.write_leaf
+    orig = OrbaxSink.write_leaf
     fix = _corrupt(mode)
 
     def write_leaf(self, key, arr):
@@ -99,7 +101,7 @@ def test_hf_to_orbax_mapping_error_is_caught(run_dir, tmp_path, capsys, monkeypa
     rc, v = _convert_verify(capsys, f"hf:{tmp_path}/hf", f"orbax:{tmp_path}/ok")
     assert (v["src_framework"], v["dst_framework"]) == ("hf", "jax")
     assert rc == 0 and v["ok"], v
-    monkeypatch.setattr(convert_mod.OrbaxSink, "write_leaf", write_leaf)
+    monkeypatch.setattr(OrbaxSink, "write_leaf", write_leaf)
     rc, v = _convert_verify(capsys, f"hf:{tmp_path}/hf", f"orbax:{tmp_path}/bad")
     assert rc == 1 and not v["ok"] and v["max_abs"] > 1e-3, v
 
@@ -114,9 +116,9 @@ def test_verify_layers_truncates_and_still_catches_errors(tmp_path, capsys, monk
     rc, v = _convert_verify(capsys, f"orbax:{run}", f"hf:{tmp_path}/hf", "--verify-layers", "2")
     assert rc == 0 and v["ok"] and v["layers"] == 2 and len(v["hidden_rel_max_abs"]) == 1, v
 
-    orig = convert_mod.TensorSink.write_leaf
+    orig = HfTensorSink.write_leaf
     fix = _corrupt("swap")
-    monkeypatch.setattr(convert_mod.TensorSink, "write_leaf",
+    monkeypatch.setattr(HfTensorSink, "write_leaf",
                         lambda self, key, arr: orig(self, key, fix(arr) if key == EXPERT_LEAF else arr))
     rc, v = _convert_verify(capsys, f"orbax:{run}", f"hf:{tmp_path}/bad", "--verify-layers", "1")
     assert rc == 1 and not v["ok"], v

@@ -19,10 +19,10 @@ import pytest
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
-from jaxmoe.port.convert import convert, parse_endpoint
+from jaxmoe.port.convert import convert
+from jaxmoe.port.formats import open_source, parse_endpoint
 from jaxmoe.port.logits import compare_logits, compute_logits
 from jaxmoe.port.safetensors_io import SafetensorsReader
-from jaxmoe.port.sources import TensorSource
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -77,7 +77,7 @@ def test_fused_write_matches_transformers_and_round_trips(saved, preset, tmp_pat
     assert _shapes(out) == want and stats["tensors"] == len(want)
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in want)  # really fused
     assert not any(".experts.0." in n or "block_sparse_moe" in n for n in want)
-    src = TensorSource(parse_endpoint(f"hf:{out}"))  # every MoE layer is read back as fused
+    src = open_source(parse_endpoint(f"hf:{out}"))  # every MoE layer is read back as fused
     m = src.cfg.model
     assert {src.layouts[i] for i in range(m.first_k_dense, m.n_layers)} == {"fused"}
     # the contents equal transformers' fused save, bit for bit (same weights, other writer)

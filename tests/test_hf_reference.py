@@ -22,9 +22,9 @@ from jaxmoe.errors import UserError
 from jaxmoe.losses import router_losses
 from jaxmoe.port import hf_map
 from jaxmoe.port.convert import convert, load_numpy_tree
+from jaxmoe.port.formats import open_source, parse_endpoint
 from jaxmoe.port.logits import compare_logits
 from jaxmoe.port.safetensors_io import SafetensorsReader
-from jaxmoe.port.sources import TensorSource, parse_endpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -175,8 +175,8 @@ def test_logits_match_transformers(hf, name, layout):
 
 def test_both_layouts_read_the_same_leaves(hf):
     for name in ("deepseek", "mixtral"):
-        a = TensorSource(parse_endpoint(f"hf:{hf[name]['dirs']['per-expert']}"))
-        b = TensorSource(parse_endpoint(f"hf:{hf[name]['dirs']['fused']}"))
+        a = open_source(parse_endpoint(f"hf:{hf[name]['dirs']['per-expert']}"))
+        b = open_source(parse_endpoint(f"hf:{hf[name]['dirs']['fused']}"))
         assert set(b.layouts.values()) >= {"fused"}
         for key in a.keys():
             assert np.array_equal(a.read_leaf(key), b.read_leaf(key)), key
@@ -188,7 +188,7 @@ def test_fused_table_matches_save_pretrained(hf, name):
     transformers' fused save with its shape."""
     d = hf[name]["dirs"]["fused"]
     r = SafetensorsReader(d)
-    cfg = TensorSource(parse_endpoint(f"hf:{d}")).cfg
+    cfg = open_source(parse_endpoint(f"hf:{d}")).cfg
     table = hf_map.tensors(hf_map.entries(cfg, "fused"))
     assert sorted(table) == sorted(r.names())
     for n, rows in table.items():
@@ -288,8 +288,8 @@ def test_bf16_conversion_keeps_router_and_bias_fp32(hf, tmp_path):
     for n in r.names():
         want = np.float32 if n in kept else np.dtype("bfloat16")
         assert r.dtype(n) == want, n
-    a = TensorSource(parse_endpoint(f"hf:{src}"))
-    b = TensorSource(parse_endpoint(f"hf:{tmp_path}/bf16"))
+    a = open_source(parse_endpoint(f"hf:{src}"))
+    b = open_source(parse_endpoint(f"hf:{tmp_path}/bf16"))
     for key in ("params/moe/router", "buffers/moe/expert_bias"):
         assert np.array_equal(a.read_leaf(key), b.read_leaf(key)), key
 
@@ -309,7 +309,7 @@ def test_cli_logits_framework_hf(hf, tmp_path, monkeypatch, capsys):
     f = compare_logits(hf["mixtral"]["logits"], np.load(tmp_path / "lg.npy"))
     assert f["max_abs"] <= TOL["max_abs"] and f["kl"] <= TOL["kl"], f
     capsys.readouterr()
-    monkeypatch.setattr(port_logits, "_available", lambda module: module != "transformers")
+    monkeypatch.setattr(port_logits, "installed", lambda module: module != "transformers")
     assert main(args) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "[ref]" in err[0] and "transformers" in err[0], err
@@ -325,5 +325,5 @@ def test_unknown_expert_layout_names_the_supported_ones(hf, tmp_path):
     shutil.copy(src / "config.json", tmp_path / "bad" / "config.json")
     write_tensors(tmp_path / "bad", renamed)
     with pytest.raises(UserError, match="per-expert .* or fused") as e:
-        TensorSource(parse_endpoint(f"hf:{tmp_path / 'bad'}"))
+        open_source(parse_endpoint(f"hf:{tmp_path / 'bad'}"))
     assert "\n" not in str(e.value)

@@ -60,7 +60,7 @@ def _metrics(run):
 
 
 def test_finetune_hf_checkpoint_and_convert_back(hf_dir, tmp_path, capsys):
-    from jaxmoe.port.sources import Endpoint
+    from jaxmoe.port.formats import parse_endpoint
     from jaxmoe.port.verify import jax_side
 
     run = tmp_path / "run"
@@ -87,7 +87,7 @@ def test_finetune_hf_checkpoint_and_convert_back(hf_dir, tmp_path, capsys):
     back = tmp_path / "back"
     assert main(["convert", "--from", f"orbax:{run}", "--to", f"hf:{back}"]) == 0
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 16)).astype(np.int32)
-    ours, _ = jax_side(Endpoint("orbax", run), tokens)
+    ours, _ = jax_side(parse_endpoint(f"orbax:{run}"), tokens)
     theirs = _hf_logits(back, tokens)
     assert np.abs(ours - theirs).max() <= 1e-4
     assert np.abs(theirs - _hf_logits(hf_dir, tokens)).max() > 1e-3  # the weights did change

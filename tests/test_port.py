@@ -17,7 +17,8 @@ import pytest
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import hf_map
-from jaxmoe.port.convert import convert, parse_endpoint
+from jaxmoe.port.convert import convert
+from jaxmoe.port.formats import parse_endpoint
 from jaxmoe.port.logits import compare_logits, compute_logits
 from jaxmoe.port.safetensors_io import SafetensorsReader, write_tensors
 from hf_models import random_hf_model, same_tensors

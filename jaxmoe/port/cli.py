@@ -1,7 +1,8 @@
 """The ``jaxmoe convert`` and ``jaxmoe logits`` commands (loaded by :mod:`jaxmoe.cli`).
 
-Checkpoint flags (``--from`` / ``--to`` / ``--ckpt``) take the endpoints of
-:mod:`jaxmoe.port.sources`; the work is done by :func:`jaxmoe.port.convert.convert`,
+Checkpoint flags (``--from`` / ``--to`` / ``--ckpt``) take the endpoints of the formats in
+:mod:`jaxmoe.port.formats`, and the formats' own flags (``--shard-size``, ``--hf-layout``, ...)
+come from there too; the work is done by :func:`jaxmoe.port.convert.convert`,
 :func:`jaxmoe.port.verify.verify` and :func:`jaxmoe.port.logits.compute_logits`.
 """
 
@@ -11,29 +12,28 @@ import json
 
 import numpy as np
 
-from jaxmoe.archs.base import LAYOUTS
 from jaxmoe.errors import UserError
 from jaxmoe.extras import require
 from jaxmoe.port.convert import convert
+from jaxmoe.port.formats import (
+    add_arguments,
+    bind_options,
+    endpoint_help,
+    option_values,
+    parse_endpoint,
+)
+from jaxmoe.port.formats.base import shape_text
 from jaxmoe.port.logits import compute_logits
 from jaxmoe.port.safetensors_io import FLOAT_DTYPES
-from jaxmoe.port.sources import _shape, parse_endpoint
 from jaxmoe.port.verify import verify
 
 
 def add_args_convert(p) -> None:
-    p.add_argument("--from", dest="src", required=True, metavar="SRC",
-                   help="hf:DIR | orbax:RUN_DIR | torch:FILE.safetensors")
-    p.add_argument("--to", dest="dst", required=True, metavar="DST",
-                   help="hf:DIR | orbax:RUN_DIR | torch:FILE.safetensors")
+    p.add_argument("--from", dest="src", required=True, metavar="SRC", help=endpoint_help())
+    p.add_argument("--to", dest="dst", required=True, metavar="DST", help=endpoint_help())
     p.add_argument("--dtype", choices=sorted(FLOAT_DTYPES),
                    help="output dtype of the weights (default: source dtype; float32 for orbax:)")
-    p.add_argument("--shard-size", help="hf: output shard size, e.g. 5GB or 500MB (default: one file)")
-    p.add_argument("--hf-layout", choices=LAYOUTS,
-                   help="hf: output expert layout: per-expert (default; hub names, "
-                        "experts.{e}.gate_proj.weight ...) or fused (experts.gate_up_proj "
-                        "[E, 2I, H] / experts.down_proj [E, H, I], as transformers' "
-                        "save_pretrained(save_original_format=False) writes)")
+    add_arguments(p, ("source", "sink"))
     p.add_argument("--verify", action="store_true",
                    help="compare source and destination logits on a probe batch; non-zero exit "
                         "past tolerance")
@@ -53,8 +53,8 @@ def run_convert(args) -> int:
         raise UserError(f"--verify-layers {args.verify_layers}: give a number of layers >= 1")
     if args.verify:  # before anything is written: --verify runs torch (the [ref] extra)
         require("torch", "jaxmoe convert --verify")
-    stats = convert(src, dst, dtype=args.dtype, shard_size=args.shard_size, force=args.force,
-                    hf_layout=args.hf_layout)
+    src, dst = bind_options(option_values(args, ("source", "sink")), source=src, sink=dst)
+    stats = convert(src, dst, dtype=args.dtype, force=args.force)
     rc = 0
     if args.verify:
         # bf16 tolerances apply when either side holds bf16 weights
@@ -80,16 +80,17 @@ def run_convert(args) -> int:
 
 
 def add_args_logits(p) -> None:
-    p.add_argument("--ckpt", required=True, help="hf:DIR | orbax:RUN_DIR | torch:FILE.safetensors")
+    p.add_argument("--ckpt", required=True, help=endpoint_help())
     p.add_argument("--tokens", required=True, help="int token ids .npy, shape [batch, seq]")
     p.add_argument("--out", required=True, help="output .npy: fp32 logits [batch, seq, vocab]")
     p.add_argument("--framework", choices=("jax", "torch", "hf"), default="jax",
                    help="run jaxmoe (jax), torch_ref (torch) or HF transformers itself (hf; torch "
                         "and transformers come with the [ref] extra)")
+    add_arguments(p, ("source",))
 
 
 def run_logits(args) -> int:
-    ep = parse_endpoint(args.ckpt, "--ckpt")
+    ep, _ = bind_options(option_values(args, ("source",)), source=parse_endpoint(args.ckpt, "--ckpt"))
     if args.framework != "jax":  # torch_ref / transformers: the [ref] extra
         require("torch", f"jaxmoe logits --framework {args.framework}")
     try:
@@ -98,7 +99,7 @@ def run_logits(args) -> int:
         raise UserError(f"--tokens {args.tokens}: cannot read .npy ({e})") from None
     logits = compute_logits(ep, tokens, args.framework)
     np.save(args.out, logits.astype(np.float32))
-    print(f"wrote {args.out}: logits {_shape(logits.shape)} float32 ({args.framework})")
+    print(f"wrote {args.out}: logits {shape_text(logits.shape)} float32 ({args.framework})")
     return 0
 
 

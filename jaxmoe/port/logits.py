@@ -1,14 +1,15 @@
 """Running a checkpoint: fp32 logits in jaxmoe, torch_ref or HF transformers; ``--verify``.
 
-:func:`compute_logits` runs any endpoint (see :mod:`jaxmoe.port.sources`) in one framework,
-converted first (:func:`jaxmoe.port.convert.convert`) when that framework reads another kind.
+:func:`compute_logits` runs any checkpoint (see :mod:`jaxmoe.port.formats`) in one framework,
+converted first (:func:`jaxmoe.port.convert.convert`) when the framework's own loader cannot read
+it as it is (a source says so: ``Source.hub_files`` for torch_ref, ``Source.hf_dir`` for
+transformers).
 ``jaxmoe convert --verify`` (:mod:`jaxmoe.port.verify`) runs the source and destination in two
 frameworks on a fixed probe batch and compares logits (:func:`compare_logits`, :data:`TOLERANCES`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 from pathlib import Path
 
@@ -17,8 +18,11 @@ import numpy as np
 from jaxmoe.archs import get_arch
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
+from jaxmoe.extras import installed
 from jaxmoe.port.convert import convert, load_numpy_tree
-from jaxmoe.port.sources import Endpoint, TensorSource, _shape
+from jaxmoe.port.formats import open_source, parse_endpoint
+from jaxmoe.port.formats.base import Endpoint, shape_text
+from jaxmoe.port.hf_map import hf_layer_index
 
 # Logit comparison tolerances for --verify. fp32 on both sides: the two frameworks compute the
 # same math in a different order. bfloat16: the weights themselves are rounded to 8 mantissa
@@ -42,7 +46,7 @@ def check_tokens(tokens: np.ndarray, cfg: Config, what: str = "tokens") -> np.nd
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2 or tokens.size == 0:
-        raise UserError(f"{what}: expected token ids of shape [batch, seq], got {_shape(tokens.shape)}")
+        raise UserError(f"{what}: expected token ids of shape [batch, seq], got {shape_text(tokens.shape)}")
     if not np.issubdtype(tokens.dtype, np.integer):
         raise UserError(f"{what}: token ids must be integers, got {tokens.dtype}")
     lo, hi = int(tokens.min()), int(tokens.max())
@@ -71,31 +75,47 @@ def _jax_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(logits, dtype=np.float32)
 
 
-def _as_file(ep: Endpoint, kind: str, tmpdir: str) -> Endpoint:
-    """``ep`` itself when it already is of ``kind``, else a float32 copy converted into tmpdir."""
-    if ep.kind == kind:
-        return ep
-    name = "model.safetensors" if kind == "torch" else "hf"
-    out = Endpoint(kind, Path(tmpdir) / name)
-    convert(ep, out, dtype="float32", log=lambda m: None)
-    return out
+def _readable(ep: Endpoint, get, copy_as: str):
+    """``(cfg, get(source), endpoint)`` for ``ep``; when ``get`` gives None (the framework's
+    loader cannot read ``ep`` as it is), for a float32 copy of ``ep`` converted to the endpoint
+    ``copy_as``."""
+    with open_source(ep) as source:
+        cfg, got = source.cfg, get(source)
+    if got is None:
+        ep = parse_endpoint(copy_as)
+        convert(source.ep, ep, dtype="float32", log=lambda m: None)
+        with open_source(ep) as source:
+            cfg, got = source.cfg, get(source)
+    return cfg, got, ep
+
+
+def torch_ref_model(cfg: Config, files: dict[str, Path], where: str):
+    """torch_ref's model of ``cfg`` (fp32, eval mode) loaded by torch_ref's own loader from
+    HF hub-named tensors (``Source.hub_files``: name -> file); tensors of layers past ``cfg``'s
+    (a truncated model, multi-token-prediction layers) are skipped."""
+    import torch
+
+    from torch_ref import hf_io
+    from torch_ref.transformer import TorchTransformer
+
+    def skip(name):
+        i = hf_layer_index(name)
+        return i is not None and i >= cfg.model.n_layers
+
+    model = TorchTransformer(cfg)
+    hf_io._load_into(model, files, where, torch.float32, skip)
+    return model.float().eval()
 
 
 def _torch_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
     import torch
 
-    from torch_ref import hf_io
-
     with tempfile.TemporaryDirectory() as tmp:
-        # torch_ref reads the per-expert hub layout; a fused HF dir goes through a torch: file
-        if ep.kind == "hf" and "fused" not in TensorSource(ep).layouts.values():
-            cfg, model = hf_io.load_hf(str(ep.path))
-        else:
-            ep = _as_file(ep, "torch", tmp)
-            cfg = TensorSource(ep).cfg
-            model = hf_io.load_torch(str(ep.path), cfg)
+        # torch_ref reads the per-expert hub names; other checkpoints go through a torch: file
+        cfg, files, ep = _readable(ep, lambda s: s.hub_files,
+                                   f"torch:{Path(tmp) / 'model.safetensors'}")
         check_tokens(tokens, cfg)
-        model = model.float().eval()
+        model = torch_ref_model(cfg, files, str(ep.path))
         with torch.no_grad():
             out = model(torch.from_numpy(np.asarray(tokens, np.int64)))
     logits = out[0] if isinstance(out, (tuple, list)) else out
@@ -107,11 +127,10 @@ def _hf_logits(ep: Endpoint, tokens: np.ndarray) -> np.ndarray:
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:
-        ep = _as_file(ep, "hf", tmp)
-        cfg = TensorSource(ep).cfg
+        cfg, hf_dir, _ = _readable(ep, lambda s: s.hf_dir, f"hf:{Path(tmp) / 'hf'}")
         check_tokens(tokens, cfg)
         cls = getattr(transformers, get_arch(cfg.model.hf_arch).hf_class)
-        model = cls.from_pretrained(str(ep.path), dtype=torch.float32).eval()
+        model = cls.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
         with torch.no_grad():
             logits = model(input_ids=torch.from_numpy(np.asarray(tokens, np.int64))).logits
     return logits.float().numpy()
@@ -124,9 +143,14 @@ FRAMEWORKS = {"jax": _jax_logits, "torch": _torch_logits, "hf": _hf_logits}
 NEEDS = {"jax": (), "torch": ("torch",), "hf": ("torch", "transformers")}
 
 
+def available(framework: str) -> bool:
+    """Whether ``framework``'s packages are installed."""
+    return all(installed(m) for m in NEEDS[framework])
+
+
 def require(framework: str) -> None:
     """UserError naming the ``[ref]`` extra when ``framework``'s packages are not installed."""
-    missing = [m for m in NEEDS[framework] if not _available(m)]
+    missing = [m for m in NEEDS[framework] if not installed(m)]
     if missing:
         raise UserError(f"--framework {framework} needs {' and '.join(missing)}, which is not "
                         "installed; install the reference extra: pip install 'jaxmoe[ref]'")
@@ -142,19 +166,12 @@ def compute_logits(ep: Endpoint, tokens: np.ndarray, framework: str = "jax") -> 
     return FRAMEWORKS[framework](ep, np.asarray(tokens))
 
 
-def _available(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def compare_logits(ref: np.ndarray, out: np.ndarray) -> dict:
     """max |ref - out|, mean KL(softmax(ref) || softmax(out)) per position, top-1 agreement."""
     a = np.asarray(ref, np.float64)
     b = np.asarray(out, np.float64)
     if a.shape != b.shape:
-        raise UserError(f"logit shapes differ: {_shape(a.shape)} vs {_shape(b.shape)}")
+        raise UserError(f"logit shapes differ: {shape_text(a.shape)} vs {shape_text(b.shape)}")
     la = a - a.max(-1, keepdims=True)
     la -= np.log(np.exp(la).sum(-1, keepdims=True))
     lb = b - b.max(-1, keepdims=True)
@@ -168,5 +185,6 @@ def compare_logits(ref: np.ndarray, out: np.ndarray) -> dict:
 
 
 __all__ = [
-    "PROBE_SEED", "PROBE_SHAPE", "TOLERANCES", "check_tokens", "compare_logits", "compute_logits",
+    "PROBE_SEED", "PROBE_SHAPE", "TOLERANCES", "available", "check_tokens", "compare_logits",
+    "compute_logits", "torch_ref_model",
 ]

@@ -46,7 +46,7 @@ class LeafSlices:
     ``(layer, expert)``, as :class:`jaxmoe.port.hf_map.Entry.index`) returns that slice as a numpy
     array of ``dtype``. The read covers the block of the leading axes that holds ``index``, aligned
     to the array's read chunks, and is kept until an index outside it is asked for: reading the
-    slices in order (what :class:`jaxmoe.port.convert.TensorSink` does) reads each chunk once.
+    slices in order (what :class:`jaxmoe.port.formats.hf.HfTensorSink` does) reads each chunk once.
     ``view[()]`` reads the whole leaf; :meth:`rows` the first ``n`` rows of the leading axis.
     """
 

@@ -5,11 +5,13 @@ that wrote them. So one side always runs in jaxmoe (JAX), reading its checkpoint
 jaxmoe's own readers, and the other side runs in PyTorch reading the HF / torch_ref files with its
 own loader: HF transformers for ``hf:`` (``from_pretrained``, which knows nothing of jaxmoe's
 mapping), torch_ref for ``torch:`` files (``torch_ref.hf_io``: state-dict names, no
-:mod:`jaxmoe.port.hf_map`). Which side runs where:
+:mod:`jaxmoe.port.hf_map`). Each format names the frameworks that read it with their own loader
+(``Format.verify_frameworks``: ``jax`` for jaxmoe's own ``orbax:``), and :func:`sides` picks:
 
-* ``orbax -> hf|torch``: jaxmoe on the source run dir, PyTorch on the written files;
-* ``hf|torch -> orbax``: PyTorch on the source files, jaxmoe on the written run dir;
-* ``hf <-> torch``: jaxmoe on the source (through the mapping), PyTorch on the written files.
+* destination read by jaxmoe itself (``orbax``): the source in its own framework (PyTorch for
+  ``hf|torch``, jaxmoe for ``orbax``), jaxmoe on the written run dir;
+* otherwise (``-> hf|torch``): jaxmoe on the source (through the mapping), PyTorch on the
+  written files.
 
 A transposed, swapped or misplaced tensor in the written files therefore changes one side's
 logits and fails the check (``tests/test_convert_verify.py`` injects such errors).
@@ -29,12 +31,21 @@ import dataclasses
 import numpy as np
 
 from jaxmoe.archs import get_arch
-from jaxmoe.config import Config, load_config, validate
+from jaxmoe.config import Config, validate
 from jaxmoe.errors import UserError
 from jaxmoe.extras import require
+from jaxmoe.port.formats import open_source
+from jaxmoe.port.formats.base import Endpoint
 from jaxmoe.port.hf_map import unflatten
-from jaxmoe.port.logits import PROBE_SEED, PROBE_SHAPE, TOLERANCES, _available, check_tokens, compare_logits
-from jaxmoe.port.sources import Endpoint, TensorSource, open_source
+from jaxmoe.port.logits import (
+    PROBE_SEED,
+    PROBE_SHAPE,
+    TOLERANCES,
+    available,
+    check_tokens,
+    compare_logits,
+    torch_ref_model,
+)
 
 
 def truncated(cfg: Config, n_layers: int | None) -> Config:
@@ -94,16 +105,17 @@ def jax_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
 
 
 def _cfg_of(ep: Endpoint) -> Config:
-    if ep.kind == "orbax":
-        return load_config(path=ep.path / "config.toml")
-    return TensorSource(ep).cfg
+    with open_source(ep) as source:
+        return source.cfg
 
 
 def hf_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
-    """HF transformers on an ``hf:`` dir: ``(logits, hidden [n-1, B, S, D])``."""
+    """HF transformers on a checkpoint it reads as it is (``Source.hf_dir``):
+    ``(logits, hidden [n-1, B, S, D])``."""
     torch = require("torch", "jaxmoe convert --verify")
     transformers = require("transformers", "jaxmoe convert --verify")
-    cfg = _cfg_of(ep)
+    with open_source(ep) as source:
+        cfg, hf_dir = source.cfg, source.hf_dir
     check_tokens(tokens, cfg)
     quiet = getattr(getattr(transformers.utils, "logging", None), "disable_progress_bar", None)
     if quiet is not None:  # no "Loading weights" bar in the middle of convert's output
@@ -114,7 +126,7 @@ def hf_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
     level = tlog.get_verbosity()
     tlog.set_verbosity_error()  # a truncated load lists every skipped layer's tensor as unexpected
     try:
-        model = cls.from_pretrained(str(ep.path), dtype=torch.float32, **kw).eval()
+        model = cls.from_pretrained(str(hf_dir), dtype=torch.float32, **kw).eval()
     finally:
         tlog.set_verbosity(level)
     with torch.no_grad():
@@ -127,43 +139,36 @@ def hf_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
 
 
 def torch_ref_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
-    """torch_ref on an ``hf:`` dir or ``torch:`` file (its own loader): ``(logits, None)``."""
+    """torch_ref on a checkpoint of HF hub-named tensors (``Source.hub_files``: an ``hf:`` dir in
+    the per-expert layout, a ``torch:`` file), with its own loader: ``(logits, None)``."""
     torch = require("torch", "jaxmoe convert --verify")
-    hf_io = require("torch_ref.hf_io", "jaxmoe convert --verify")
-    from safetensors import safe_open
+    require("torch_ref.hf_io", "jaxmoe convert --verify")
 
-    from jaxmoe.port.hf_map import hf_layer_index
-    from torch_ref.transformer import TorchTransformer
-
-    cfg = truncated(_cfg_of(ep), n_layers)
+    with open_source(ep) as source:
+        cfg, files = truncated(source.cfg, n_layers), source.hub_files
+    if files is None:
+        raise UserError(f"{ep}: torch_ref reads per-expert HF tensor names only, which this "
+                        "checkpoint does not have; install transformers to verify it")
     check_tokens(tokens, cfg)
-    if ep.kind == "hf":
-        files = hf_io._tensor_files(ep.path)
-    else:
-        with safe_open(str(ep.path), "pt") as f:
-            files = {name: ep.path for name in f.keys()}
-
-    def skip(name):  # layers past the truncation (and MTP layers) are not loaded
-        i = hf_layer_index(name)
-        return i is not None and i >= cfg.model.n_layers
-
-    model = TorchTransformer(cfg)
-    hf_io._load_into(model, files, str(ep.path), torch.float32, skip)
-    model = model.float().eval()
+    model = torch_ref_model(cfg, files, str(ep.path))
     with torch.no_grad():
         out = model(torch.from_numpy(np.asarray(tokens, np.int64)))
     logits = out[0] if isinstance(out, (tuple, list)) else out
     return logits.float().numpy(), None
 
 
-def sides(src: Endpoint, dst: Endpoint) -> tuple[str, str]:
-    """(source framework, destination framework): one jaxmoe, one PyTorch."""
-    def torch_fw(ep):
-        return "hf" if ep.kind == "hf" and _available("transformers") else "torch"
+def _framework(ep: Endpoint) -> str:
+    """The first of the format's own frameworks that is installed (else its last, whose runner
+    then names what to install)."""
+    fws = ep.format.verify_frameworks
+    return next((fw for fw in fws if available(fw)), fws[-1])
 
-    if dst.kind == "orbax":
-        return ("jax" if src.kind == "orbax" else torch_fw(src)), "jax"
-    return "jax", torch_fw(dst)
+
+def sides(src: Endpoint, dst: Endpoint) -> tuple[str, str]:
+    """(source framework, destination framework): one jaxmoe, one PyTorch where a format allows."""
+    if _framework(dst) == "jax":
+        return _framework(src), "jax"
+    return "jax", _framework(dst)
 
 
 RUNNERS = {"jax": jax_side, "hf": hf_side, "torch": torch_ref_side}

@@ -1,0 +1,393 @@
+"""The ``hf:DIR`` format: a HuggingFace checkpoint directory, read and written.
+
+``hf:DIR`` is ``config.json`` + ``model.safetensors`` or sharded ``model-*-of-*.safetensors`` with
+``model.safetensors.index.json``, under the hub tensor names of the config's architecture (see
+:mod:`jaxmoe.port.hf_map`), in either HF expert layout (per expert or fused, detected per layer on
+reading, ``--hf-layout`` on writing). FP8 weights (``weight_scale_inv``) are dequantised on
+reading; multi-token-prediction layers are skipped with a note.
+
+The machinery for HF-named tensors in safetensors files (:class:`HfTensorSource`,
+:class:`HfTensorSink`) is shared with the ``torch:`` format (:mod:`jaxmoe.port.formats.torch`),
+which differs only in where the config lives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxmoe.archs.base import LAYOUTS
+from jaxmoe.config import Config
+from jaxmoe.errors import UserError
+from jaxmoe.hfconfig import from_hf_config, to_hf_config
+from jaxmoe.port import hf_map
+from jaxmoe.port.formats.base import Endpoint, Format, Option, Sink, Source, shape_text
+from jaxmoe.port.hf_meta import merge_into_hf_dir
+from jaxmoe.port.safetensors_io import (
+    SafetensorsReader,
+    SafetensorsWriter,
+    dequantize_fp8,
+    parse_size,
+)
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
+    """``dst[...] = src`` with its last two dims swapped (2-D: the transpose), in column tiles.
+
+    Tiles of 128 columns keep both sides in cache, where a plain ``dst[...] = src.T`` walks one
+    side with a large stride (measured: docs/MEASUREMENTS.md, "Conversion throughput"). Stacked
+    ``[..., a, b]`` arrays (the fused layout's ``[E, ...]``) go matrix by matrix.
+    """
+    if src.ndim > 2:
+        for i in range(src.shape[0]):
+            _transpose_into(dst[i], src[i], tile)
+        return
+    if src.ndim != 2:
+        dst[...] = src.T
+        return
+    for j in range(0, src.shape[0], tile):
+        dst[:, j : j + tile] = src[j : j + tile].T
+
+
+def _transposed(src: np.ndarray, dtype=None) -> np.ndarray:
+    """A contiguous copy of ``src`` with its last two axes swapped (``src.T`` for 2-D; a fused
+    ``[E, a, b]`` -> ``[E, b, a]``), optionally cast, made with :func:`_transpose_into`."""
+    out = np.empty(src.shape[:-2] + (src.shape[-1], src.shape[-2]), dtype or src.dtype)
+    _transpose_into(out, src)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: HF-named tensors as jaxmoe leaves
+# --------------------------------------------------------------------------------------------
+
+
+class HfTensorSource(Source):
+    """HF-named tensors in safetensors files, viewed as jaxmoe leaves.
+
+    Construction reads the config (:meth:`_open`, per format) and every header and validates them
+    against the mapping; the tensors themselves are read only by :meth:`read_leaf`.
+    """
+
+    #: where the config comes from, as messages name it
+    config_what = "config.json"
+
+    def __init__(self, ep: Endpoint):
+        self.ep = ep
+        self.notices: list[str] = []
+        self.fp8_block = (128, 128)
+        self.cfg, self.reader = self._open()
+        # each layer's expert layout (per-expert or fused) is read off its tensor names
+        self.table, self.layouts = hf_map.detect_entries(self.cfg, self.reader)
+        self.groups = hf_map.leaf_entries(self.cfg, self.table)
+        self.shapes = hf_map.leaf_shapes(self.cfg)
+        self._validate(self.config_what)
+
+    def _open(self) -> tuple[Config, SafetensorsReader]:
+        raise NotImplementedError
+
+    def _validate(self, what: str) -> None:
+        r, cfg = self.reader, self.cfg
+        expected = {e.hf_name: e for e in self.table}
+        # problems in hub order: mis-shaped, then missing, then unexpected tensors
+        shaped, missing, extra, mtp = [], [], [], {}
+        for name, ent in expected.items():
+            if name not in r:
+                layout = ""
+                if "/experts/" in ent.key:  # neither layout's expert tensors are there
+                    layout = (f"; expert tensors must be in a supported HF layout: per-expert "
+                              f"({name.split('.experts.')[0]}.experts.{{e}}.<proj>.weight) or fused "
+                              f"({name.split('.experts.')[0]}.experts.gate_up_proj / .down_proj)")
+                missing.append(f"missing tensor {name} (expected shape {shape_text(ent.hf_shape)} "
+                               f"from {what}){layout}")
+            elif tuple(r.shape(name)) != ent.hf_shape:
+                shaped.append(f"tensor {name} has shape {shape_text(r.shape(name))} in the "
+                              f"checkpoint but {what} implies {shape_text(ent.hf_shape)}")
+            elif r.dtype(name) == FP8 and name + "_scale_inv" not in r:
+                shaped.append(f"tensor {name} is float8 without {name}_scale_inv")
+        for name in r.names():
+            if name in expected or name.endswith(hf_map.IGNORED_SUFFIXES):
+                continue
+            layer = hf_map.hf_layer_index(name)
+            if layer is not None and layer >= cfg.model.n_layers:
+                mtp[layer] = mtp.get(layer, 0) + 1
+                continue
+            if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in expected:
+                continue  # consumed by FP8 dequantisation
+            extra.append(f"unexpected tensor {name} {shape_text(r.shape(name))}: {what} has no "
+                         "such weight")
+        problems = shaped + missing + extra
+        for ent in self.table:
+            if ent.key == hf_map.ZERO and ent.hf_name in r and not problems:
+                if np.any(r.get(ent.hf_name).astype(np.float32) != 0):
+                    problems.append(f"tensor {ent.hf_name} is non-zero but {what} disables it "
+                                    "(set moe.use_expert_bias=true / topk_method noaux_tc)")
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise UserError(f"{self.ep}: {problems[0]}{more}")
+        if mtp:
+            layers = ", ".join(f"model.layers.{i}.*" for i in sorted(mtp))
+            self.notices.append(f"note: skipping {layers} ({sum(mtp.values())} tensors): "
+                                "multi-token-prediction layers are not part of jaxmoe")
+
+    def keys(self) -> list[str]:
+        return list(self.groups)
+
+    def leaf_dtype(self, key: str) -> np.dtype:
+        """The dtype the leaf has in the source (float32 after FP8 dequantisation)."""
+        if key.startswith("buffers/"):
+            return np.dtype(np.float32)
+        dts = {self.reader.dtype(e.hf_name) for e in self.groups[key]}
+        if len(dts) == 1 and FP8 not in dts:
+            return dts.pop()
+        return np.dtype(np.float32)
+
+    def tensor(self, name: str) -> np.ndarray:
+        arr = self.reader.get(name)
+        if arr.dtype == FP8:
+            arr = dequantize_fp8(arr, self.reader.get(name + "_scale_inv"), self.fp8_block)
+        return arr
+
+    def read_leaf(self, key: str, dtype=None, out: np.ndarray | None = None) -> np.ndarray:
+        """The leaf ``key`` as an array of ``dtype``, assembled from its HF tensors.
+
+        ``out`` (optional, the leaf's shape and dtype) receives it instead of a new array; when
+        it is file-backed (``np.memmap``), its pages are dropped from this process after each HF
+        tensor, so memory holds about one HF tensor rather than the leaf.
+        """
+        if out is None:
+            out = np.empty(self.shapes[key], dtype or self.leaf_dtype(key))
+            release = None
+        else:
+            # late: jaxmoe.checkpoint imports jax and Orbax, which hf:/torch: sources never need
+            from jaxmoe.checkpoint import release_pages as release
+        for ent in self.groups[key]:
+            self._read_entry(ent, out)
+            if release is not None:
+                release(out)
+        return out
+
+    def _read_entry(self, ent: hf_map.Entry, out: np.ndarray) -> None:
+        """Read the HF tensor (or fused part) of ``ent`` into its slot ``out[ent.index]``."""
+        slot = out[ent.index]
+        if ent.hf_part is not None:  # a part of a fused tensor: read only that part
+            t = self._part(ent)
+            if ent.transpose:
+                _transpose_into(slot, t)
+            else:
+                slot[...] = t
+        elif not ent.transpose and self.reader.dtype(ent.hf_name) == out.dtype != FP8:
+            self.reader.read_into(ent.hf_name, slot)  # no temporary
+        else:
+            t = self.tensor(ent.hf_name)
+            if ent.transpose:
+                _transpose_into(out[ent.index], t)
+            else:
+                out[ent.index] = t
+
+    def _part(self, ent: hf_map.Entry) -> np.ndarray:
+        """The range ``ent.hf_part`` of HF tensor ``ent.hf_name`` (a fused ``gate_up_proj``'s
+        gate or up half), read through a read-only map of the file: only its pages are read."""
+        dim, start, stop = ent.hf_part
+        if self.reader.dtype(ent.hf_name) == FP8:
+            whole = self.tensor(ent.hf_name)
+        else:
+            info = self.reader.infos[ent.hf_name]
+            whole = np.memmap(info.file, dtype=info.dtype, mode="r", offset=info.offset,
+                              shape=info.shape)
+        return whole[(slice(None),) * dim + (slice(start, stop),)]
+
+    def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
+        """The first ``n`` rows of a layer-stack leaf (all of a global leaf): only the HF
+        tensors of those layers are read (a truncated model, ``--verify-layers``)."""
+        ents = [e for e in self.groups[key] if not e.index or e.index[0] < n]
+        if not self.groups[key][0].index:
+            return self.read_leaf(key, dtype)
+        shape = (min(n, self.shapes[key][0]),) + tuple(self.shapes[key][1:])
+        out = np.empty(shape, dtype or self.leaf_dtype(key))
+        for ent in ents:
+            self._read_entry(ent, out)
+        return out
+
+    @property
+    def hub_files(self) -> dict[str, Path] | None:
+        if "fused" in self.layouts.values():  # torch_ref reads the per-expert names only
+            return None
+        return {name: info.file for name, info in self.reader.infos.items()}
+
+
+class HfSource(HfTensorSource):
+    """An ``hf:`` directory as jaxmoe leaves."""
+
+    def _open(self) -> tuple[Config, SafetensorsReader]:
+        ep = self.ep
+        if not ep.path.is_dir():
+            raise UserError(f"{ep}: not a directory")
+        cfg_file = ep.path / "config.json"
+        if not cfg_file.exists():
+            raise UserError(f"{ep}: config.json is missing")
+        try:
+            hf_cfg = json.loads(cfg_file.read_text())
+        except ValueError as e:
+            raise UserError(f"{cfg_file}: not valid JSON ({e})") from None
+        cfg = from_hf_config(hf_cfg)
+        q = hf_cfg.get("quantization_config") or {}
+        if q.get("weight_block_size"):
+            self.fp8_block = tuple(int(b) for b in q["weight_block_size"])
+        return cfg, SafetensorsReader(ep.path)
+
+    @property
+    def meta_dir(self) -> Path:
+        return self.ep.path
+
+    @property
+    def hf_dir(self) -> Path:
+        return self.ep.path
+
+    def content_files(self) -> list[Path]:
+        return sorted(f for f in self.ep.path.iterdir()
+                      if f.is_file() and f.suffix in (".safetensors", ".json"))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing: jaxmoe leaves as HF-named tensors
+# --------------------------------------------------------------------------------------------
+
+
+class PartWriter(SafetensorsWriter):
+    """A :class:`SafetensorsWriter` that also writes *parts* of a tensor (a fused
+    ``gate_up_proj``'s gate or up half, :attr:`hf_map.Entry.hf_part`) straight to their place in
+    the file, so a fused tensor is assembled on disk: nothing waits in memory for its other part.
+    The tensor counts as written once its parts cover it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parts: dict[str, list[tuple[int, int]]] = {}
+
+    def write_part(self, name: str, part: tuple[int, int, int], array: np.ndarray) -> None:
+        p = self.planned[name]
+        dim, start, stop = part
+        want = p.shape[:dim] + (stop - start,) + p.shape[dim + 1:]
+        if p.written or tuple(array.shape) != want or not 0 <= start < stop <= p.shape[dim]:
+            raise ValueError(f"tensor {name}: part {part} of shape {list(array.shape)} does not "
+                             f"fit planned {list(p.shape)} (or written twice)")
+        got = self.parts.setdefault(name, [])
+        if any(a < stop and start < b for a, b in got):
+            raise ValueError(f"tensor {name}: part {part} overlaps one already written")
+        data = np.ascontiguousarray(array, dtype=p.dtype)
+        inner = int(np.prod(p.shape[dim + 1:], dtype=np.int64)) * p.dtype.itemsize
+        # one contiguous byte run per index of the axes before ``dim``
+        runs = data.reshape(int(np.prod(p.shape[:dim], dtype=np.int64)), -1).view(np.uint8)
+        fd = os.open(p.file, os.O_WRONLY)
+        try:
+            for i, run in enumerate(runs):
+                at, view, done = p.offset + (i * p.shape[dim] + start) * inner, memoryview(run), 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], at + done)
+        finally:
+            os.close(fd)
+        got.append((start, stop))
+        p.written = sum(b - a for a, b in got) == p.shape[dim]
+
+
+class HfTensorSink(Sink):
+    """Write leaves as HF-named tensors (:meth:`_writer`, per format, opens the files).
+
+    ``layout`` is the HF expert layout written (:data:`jaxmoe.archs.base.LAYOUTS`): per-expert
+    (hub names, one ``[I, H]`` tensor per expert) or fused (``save_pretrained(...,
+    save_original_format=False)``: one ``[E, 2I, H]`` ``gate_up_proj`` and one ``[E, H, I]``
+    ``down_proj`` per layer). A fused ``gate_up_proj`` gets its gate half from the gate leaf and
+    its up half from the up leaf, each written in place as its leaf arrives
+    (:meth:`PartWriter.write_part`): the sink holds no more than one layer's part (the
+    transposed copy) beyond what the source hands it, and never a whole fused tensor."""
+
+    takes_views = True
+
+    def __init__(self, target: Path, cfg: Config, dtypes: dict, layout: str = LAYOUTS[0]):
+        self.target = target
+        self.table = hf_map.entries(cfg, layout)
+        self.groups = hf_map.leaf_entries(cfg, self.table)
+        by_tensor = hf_map.tensors(self.table)  # a fused gate_up_proj: two rows, one tensor
+        self.zeros = [rows[0] for rows in by_tensor.values() if rows[0].key == hf_map.ZERO]
+        plan = [(name, rows[0].hf_shape,
+                 np.float32 if rows[0].key == hf_map.ZERO else dtypes[rows[0].key])
+                for name, rows in by_tensor.items()]
+        self.tensors = len(plan)
+        self.writer = self._writer(cfg, dtypes, plan)
+
+    def _writer(self, cfg: Config, dtypes: dict, plan: list) -> PartWriter:
+        raise NotImplementedError
+
+    def write_leaf(self, key: str, arr) -> None:
+        for ent in self.groups[key]:
+            t = arr[ent.index]
+            t = _transposed(t) if ent.transpose else t
+            if ent.hf_part is None:
+                self.writer.write(ent.hf_name, t)
+            else:
+                self.writer.write_part(ent.hf_name, ent.hf_part, t)
+
+    def finish(self) -> None:
+        for ent in self.zeros:
+            self.writer.write(ent.hf_name, np.zeros(ent.hf_shape, np.float32))
+        self.writer.close()
+
+
+class HfSink(HfTensorSink):
+    """An ``hf:`` directory: config.json from the model config, then the safetensors files."""
+
+    def __init__(self, target: Path, cfg: Config, dtypes: dict, layout: str = LAYOUTS[0],
+                 shard_size: int | None = None):
+        self.shard_size = shard_size
+        super().__init__(target, cfg, dtypes, layout)
+
+    def _writer(self, cfg: Config, dtypes: dict, plan: list) -> PartWriter:
+        self.target.mkdir(parents=True)
+        hf_cfg = to_hf_config(cfg, dtype=str(np.dtype(dtypes["params/embed"])))
+        (self.target / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        return PartWriter(self.target, plan, shard_size=self.shard_size)
+
+    def carry(self, files: list[Path], log=None) -> list[str]:
+        return merge_into_hf_dir(files, self.target)
+
+
+class HfFormat(Format):
+    scheme = "hf"
+    syntax = "hf:DIR"
+    help = ("a HuggingFace checkpoint directory (config.json + model.safetensors or sharded "
+            "model-*-of-*.safetensors with its index; hub tensor names, either expert layout)")
+    options = (
+        Option("shard_size", "--shard-size", "sink", parse=parse_size,
+               help="hf: output shard size, e.g. 5GB or 500MB (default: one file)"),
+        Option("hf_layout", "--hf-layout", "sink", choices=LAYOUTS, default=LAYOUTS[0],
+               report=True,
+               help="hf: output expert layout: per-expert (default; hub names, "
+                    "experts.{e}.gate_proj.weight ...) or fused (experts.gate_up_proj "
+                    "[E, 2I, H] / experts.down_proj [E, H, I], as transformers' "
+                    "save_pretrained(save_original_format=False) writes)"),
+    )
+    verify_frameworks = ("hf", "torch")
+    output_what = "an HF checkpoint folder (config.json, no sub-folders)"
+
+    @classmethod
+    def open_source(cls, ep: Endpoint) -> HfSource:
+        return HfSource(ep)
+
+    @classmethod
+    def open_sink(cls, ep: Endpoint, target: Path, cfg: Config, dtypes: dict, log) -> HfSink:
+        return HfSink(target, cfg, dtypes, ep.options.get("hf_layout", LAYOUTS[0]),
+                      ep.options.get("shard_size"))
+
+    @classmethod
+    def is_output(cls, path: Path) -> bool:
+        return (path.is_dir() and (path / "config.json").is_file()
+                and not any(p.is_dir() for p in path.iterdir()))
+
+
+__all__ = ["FP8", "HfFormat", "HfSink", "HfSource", "HfTensorSink", "HfTensorSource"]

@@ -1,0 +1,273 @@
+"""The ``orbax:RUN_DIR[@STEP]`` format: a jaxmoe run dir's Orbax checkpoint, read and written.
+
+A run dir is :mod:`jaxmoe.checkpoint`'s layout: ``config.toml`` + ``checkpoints/<step>/state``,
+which holds the ``{"params", "buffers", ...}`` pytree. Reading takes the latest committed step, or
+``@STEP``; only ``params`` and ``buffers`` are read, so training checkpoints (with optimizer
+state) convert too. Writing makes a fresh run dir with the checkpoint at step 0, and keeps an HF
+source's non-weight files in ``RUN_DIR/hf_meta/`` (:mod:`jaxmoe.port.hf_meta`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from jaxmoe.config import Config, load_config
+from jaxmoe.errors import UserError
+from jaxmoe.port import hf_map
+from jaxmoe.port.formats.base import Endpoint, Format, Sink, Source, shape_text
+from jaxmoe.port.hf_meta import HF_META_DIR, keep_in_run_dir
+from jaxmoe.run_dir import RunDir
+
+
+class OrbaxSource(Source):
+    """A run dir's checkpoint (``ep.options["step"]``, default the latest), one leaf at a time.
+
+    Shapes come from Orbax's tree metadata (no array is read); :meth:`read_leaf` restores a
+    single leaf as a numpy array with Orbax's ``partial_restore``, so memory stays at one leaf;
+    :meth:`leaf_view` reads one layer's / expert's slice at a time.
+    """
+
+    def __init__(self, ep: Endpoint):
+        import orbax.checkpoint as ocp
+
+        from jaxmoe.checkpoint import Checkpointer
+
+        self.ep = ep
+        self.notices: list[str] = []
+        step = ep.options.get("step")
+        if not (ep.path / "config.toml").is_file():
+            raise UserError(f"{ep}: not a jaxmoe run dir (no config.toml)")
+        if not (ep.path / "checkpoints").is_dir():
+            raise UserError(f"{ep}: not a jaxmoe run dir (no checkpoints/)")
+        self.cfg = load_config(path=ep.path / "config.toml")
+        ckpt = Checkpointer(ep.path / "checkpoints", async_save=False)
+        try:
+            steps = ckpt.all_steps() if step is not None else None
+            step = ckpt.latest_step() if step is None else step
+        finally:
+            ckpt.close()
+        if step is None:
+            raise UserError(f"{ep}: no committed checkpoint in {ep.path / 'checkpoints'}")
+        if steps is not None and step not in steps:
+            raise UserError(f"{ep}: no checkpoint at step {step} (steps: "
+                            f"{', '.join(map(str, sorted(steps))) or 'none'})")
+        self.step = step
+        self.state_dir = (ep.path / "checkpoints" / str(step) / "state").absolute()
+        self._ocp = ocp
+        self._ckptr = ocp.PyTreeCheckpointer()
+        try:
+            meta = self._ckptr.metadata(self.state_dir)
+            tree = getattr(meta, "item_metadata", meta)  # StepMetadata (orbax >= 0.11)
+            tree = getattr(tree, "tree", tree)
+            flat = {}
+            for top in ("params", "buffers"):
+                for k, v in hf_map.flatten(dict(tree.get(top) or {})).items():
+                    flat[f"{top}/{k}"] = (tuple(v.shape), np.dtype(v.dtype))
+        except Exception as e:  # noqa: BLE001 - any failure means an unreadable checkpoint
+            raise UserError(f"{ep}: cannot read checkpoint metadata in {self.state_dir} "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                            ) from None
+        self.meta = flat
+        self._validate()
+
+    def _validate(self) -> None:
+        shapes = hf_map.leaf_shapes(self.cfg)
+        for key, (shape, _dt) in self.meta.items():
+            if key not in shapes:
+                raise UserError(f"{self.ep}: unexpected leaf {key} {shape_text(shape)} for its "
+                                "config.toml")
+            if shape != shapes[key]:
+                raise UserError(f"{self.ep}: leaf {key} has shape {shape_text(shape)} but "
+                                f"config.toml implies {shape_text(shapes[key])}")
+        for key, shape in shapes.items():
+            if key not in self.meta:
+                raise UserError(f"{self.ep}: missing leaf {key} (expected {shape_text(shape)})")
+        self.shapes = shapes
+
+    def leaf_dtype(self, key: str) -> np.dtype:
+        return self.meta[key][1]
+
+    def read_leaf(self, key: str, dtype=None, out: np.ndarray | None = None) -> np.ndarray:
+        """The leaf ``key`` (restored whole, then copied into ``out`` when given)."""
+        ocp = self._ocp
+        stored = self.leaf_dtype(key)
+        into = out
+        item = hf_map.unflatten({key: np.zeros(0, stored)})
+        args = hf_map.unflatten({key: ocp.RestoreArgs(restore_type=np.ndarray, dtype=stored)})
+        out = self._ckptr.restore(self.state_dir, args=ocp.args.PyTreeRestore(
+            item, restore_args=args, partial_restore=True))
+        arr = np.asarray(hf_map.flatten(out)[key])
+        arr = arr.astype(dtype, copy=False) if dtype is not None else arr
+        if into is not None:
+            into[...] = arr
+            return into
+        return arr
+
+    def leaf_view(self, key: str, dtype=None):
+        """The leaf as a :class:`~jaxmoe.port.orbax_read.LeafSlices`: ``view[index]`` reads one
+        layer's / expert's slice (one Zarr chunk at a time) instead of the whole leaf."""
+        from jaxmoe.port.orbax_read import LeafSlices, open_array
+
+        try:
+            return LeafSlices(open_array(self.state_dir, key), dtype or self.leaf_dtype(key))
+        except OSError as e:
+            raise UserError(f"{self.ep}: cannot read leaf {key} ({e})") from None
+
+    def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
+        """The first ``n`` rows of a layer-stack leaf (all of a global leaf), read partially."""
+        view = self.leaf_view(key, dtype)
+        return view[()] if "/" not in key.split("/", 1)[1] else view.rows(n)
+
+    @property
+    def spec(self) -> str:
+        """``orbax:/abs/RUN_DIR@STEP``, the step actually read."""
+        return str(Endpoint(OrbaxFormat, self.ep.path.absolute(), {"step": self.step}))
+
+    @property
+    def meta_dir(self) -> Path | None:
+        d = self.ep.path / HF_META_DIR
+        return d if d.is_dir() else None
+
+    def content_files(self) -> list[Path]:
+        step_dir = self.ep.path / "checkpoints" / str(self.step) / "state"
+        files = [self.ep.path / "config.toml"] + sorted(f for f in step_dir.rglob("*") if f.is_file())
+        return [f for f in files if f.is_file()]
+
+    def close(self) -> None:
+        self._ckptr.close()
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+class OrbaxSink(Sink):
+    """Write a jaxmoe run dir (``config.toml`` + an Orbax checkpoint at step 0) leaf by leaf.
+
+    Orbax writes a pytree in one save, so every leaf must exist at once; to keep them out of
+    memory, each leaf is assembled in a raw ``np.memmap`` file under ``leaves/`` next to
+    ``target`` (in the conversion's temporary folder, removed afterwards; it needs disk for one copy of the model).
+    :meth:`buffer` hands out that file for the source to fill (its pages are dropped as it
+    fills, see :meth:`HfTensorSource.read_leaf`); at :meth:`finish` the files are re-opened
+    read-only and saved with :func:`jaxmoe.checkpoint.save_model` ``(stream=True)``, which
+    writes them one Zarr chunk (:data:`~jaxmoe.checkpoint.STREAM_CHUNK_BYTES`) at a time without
+    copying, so peak memory stays near the largest leaf (measured: docs/MEASUREMENTS.md,
+    "Conversion throughput"). The checkpoint is the one ``save_model`` writes for in-memory
+    leaves, up to the Zarr chunk shapes of leaves over that size, which
+    :func:`jaxmoe.checkpoint.load_model` and ``Checkpointer.restore`` read as usual.
+
+    Before anything is written the sink says how much disk it needs (the checkpoint plus the
+    scratch files) and refuses, one line, when the file system holding ``where`` has less.
+    """
+
+    def __init__(self, target: Path, cfg: Config, dtypes: dict, where: Path, log):
+        self.target, self.cfg = target, cfg
+        self._check_disk(cfg, dtypes, where, log)
+        self.scratch = target.parent / "leaves"
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.files: dict[str, tuple[Path | None, tuple, np.dtype, np.ndarray | None]] = {}
+        self.tensors = len(hf_map.entries(cfg))
+
+    @staticmethod
+    def _check_disk(cfg: Config, dtypes: dict, where: Path, log) -> None:
+        shapes = hf_map.leaf_shapes(cfg)
+        model = sum(int(np.prod(shapes[k], dtype=np.int64)) * np.dtype(dt).itemsize
+                    for k, dt in dtypes.items())
+        need = 2 * model  # scratch copy + the checkpoint (removed scratch leaves no trace)
+        free = shutil.disk_usage(where).free
+        log(f"note: writing an orbax: checkpoint of {_gb(model)} needs {_gb(need)} free disk next "
+            f"to the destination (scratch leaf files + the checkpoint); {_gb(free)} free in {where}")
+        if free < need:
+            raise UserError(f"not enough free disk in {where}: converting to orbax: needs "
+                            f"{_gb(need)} ({_gb(model)} checkpoint + {_gb(model)} scratch), "
+                            f"{_gb(free)} free; free space or write --to elsewhere")
+
+    def buffer(self, key: str, shape, dtype) -> np.ndarray:
+        """A writable file-backed array for leaf ``key`` (pass it back to :meth:`write_leaf`)."""
+        shape, dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+        if 0 in shape:  # an empty file cannot be mapped
+            return np.empty(shape, dtype)
+        path = self.scratch / f"{len(self.files):05d}.bin"
+        return np.memmap(path, dtype=dtype, mode="w+", shape=shape)
+
+    def write_leaf(self, key: str, arr) -> None:
+        # late: jaxmoe.checkpoint imports jax and Orbax, which hf:/torch: conversions never need
+        from jaxmoe.checkpoint import release_pages
+
+        if not isinstance(arr, np.memmap):  # not from buffer(): copy it into a file
+            buf = self.buffer(key, arr.shape, arr.dtype)
+            buf[...] = arr
+            arr = buf
+        if isinstance(arr, np.memmap):
+            arr.flush()
+            release_pages(arr)
+            self.files[key] = (Path(arr.filename), arr.shape, arr.dtype, None)
+        else:
+            self.files[key] = (None, arr.shape, arr.dtype, arr)
+
+    def finish(self) -> None:
+        from jaxmoe import checkpoint
+
+        leaves = {}
+        for key, (path, shape, dtype, arr) in self.files.items():
+            leaves[key] = arr if path is None else np.memmap(path, dtype=dtype, mode="r",
+                                                             shape=shape)
+        tree = hf_map.unflatten(leaves)
+        checkpoint.save_model(str(self.target), self.cfg, tree.get("params", {}),
+                              tree.get("buffers", {}), step=0, stream=True)
+        del leaves, tree
+        self.files = {}
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def carry(self, files: list[Path], log=None) -> list[str]:
+        return keep_in_run_dir(files, self.target)
+
+
+class OrbaxFormat(Format):
+    scheme = "orbax"
+    syntax = "orbax:RUN_DIR[@STEP]"
+    help = ("a jaxmoe run dir (config.toml + checkpoints/<step>/): its latest checkpoint, or "
+            "step STEP when reading")
+    verify_frameworks = ("jax",)
+    default_dtype = np.dtype(np.float32)  # jaxmoe master params are fp32
+    output_what = "a jaxmoe run folder"
+
+    @classmethod
+    def parse(cls, text: str, rest: str, flag: str) -> Endpoint:
+        options = {}
+        if "@" in rest:
+            rest, _, tail = rest.rpartition("@")
+            if not tail.isdigit():
+                raise UserError(f"{flag} {text!r}: expected orbax:DIR@STEP with an integer STEP")
+            options["step"] = int(tail)
+        return Endpoint(cls, Path(rest), options)
+
+    @classmethod
+    def text(cls, ep: Endpoint) -> str:
+        step = ep.options.get("step")
+        return f"{cls.scheme}:{ep.path}" + ("" if step is None else f"@{step}")
+
+    @classmethod
+    def open_source(cls, ep: Endpoint) -> OrbaxSource:
+        return OrbaxSource(ep)
+
+    @classmethod
+    def check_sink(cls, ep: Endpoint) -> None:
+        super().check_sink(ep)
+        if "step" in ep.options:
+            raise UserError(f"{ep}: @STEP picks a checkpoint to read; a conversion writes a new "
+                            "run dir at step 0: drop @STEP")
+
+    @classmethod
+    def open_sink(cls, ep: Endpoint, target: Path, cfg: Config, dtypes: dict, log) -> OrbaxSink:
+        return OrbaxSink(target, cfg, dtypes, ep.path.parent, log)
+
+    @classmethod
+    def is_output(cls, path: Path) -> bool:
+        return path.is_dir() and RunDir(path).is_run()
+
+
+__all__ = ["OrbaxFormat", "OrbaxSink", "OrbaxSource"]
