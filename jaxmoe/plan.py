@@ -39,7 +39,8 @@ from jaxmoe.model.blocked import _RUN_ROWS
 from jaxmoe.model.slots import capacity
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
-from jaxmoe.sharding import AXES, BATCH_AXES, _path_str, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.trees import key_path_str
 
 MAX_REPLICATED_DENSE = 0.05  # a layout replicating more of the dense weights is reported
 GB = 1e9
@@ -121,7 +122,7 @@ def state_bytes(cfg: Config) -> dict:
         for (kp, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(tree),
                                     jax.tree_util.tree_leaves(specs, is_leaf=isP)):
             n = math.prod(leaf.shape) * leaf.dtype.itemsize
-            out.append(("/".join(_path_str(kp)), tuple(leaf.shape), spec, n, n // _shards(spec, sizes)))
+            out.append((key_path_str(kp), tuple(leaf.shape), spec, n, n // _shards(spec, sizes)))
         return out
 
     pt, bt, ot = table(params, pspecs), table(buffers, bspecs), table(opt, ospecs)

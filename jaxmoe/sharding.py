@@ -44,6 +44,7 @@ import math
 
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
+from jaxmoe.trees import key_path_str
 
 AXES = ("replica", "fsdp", "expert", "tensor")
 BATCH_AXES = ("replica", "fsdp", "expert")  # the batch is split over every axis but `tensor`
@@ -185,22 +186,6 @@ def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[
     return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
 
 
-def _path_str(keypath) -> list[str]:
-    import jax
-
-    out = []
-    for k in keypath:
-        if isinstance(k, jax.tree_util.DictKey):
-            out.append(str(k.key))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            out.append(str(k.name))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out.append(str(k.idx))
-        else:
-            out.append(str(k))
-    return out
-
-
 def param_specs(tree, axes: dict[str, tuple], sizes: dict[str, int], replicated: list | None = None,
                 expert_axes: tuple[str, ...] = ("expert",)):
     """PartitionSpecs for a params (or buffers) nested dict, leaf by leaf; ``axes``: declared
@@ -208,7 +193,7 @@ def param_specs(tree, axes: dict[str, tuple], sizes: dict[str, int], replicated:
     import jax
 
     def one(kp, x):
-        path = "/".join(_path_str(kp))
+        path = key_path_str(kp)
         return spec_for(path, tuple(x.shape), axes.get(path), sizes, replicated, expert_axes)
 
     return jax.tree_util.tree_map_with_path(one, tree)
@@ -224,10 +209,10 @@ def matched_specs(tree, params, pspecs):
     for (kp, p), (_, s) in zip(
         jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(pspecs, is_leaf=lambda x: isinstance(x, P))
     ):
-        by_path[tuple(_path_str(kp))] = (tuple(p.shape), s)
+        by_path[tuple(key_path_str(kp).split("/"))] = (tuple(p.shape), s)
 
     def one(kp, leaf):
-        names = tuple(_path_str(kp))
+        names = tuple(key_path_str(kp).split("/"))
         shape = tuple(getattr(leaf, "shape", ()))
         for start in range(len(names)):
             hit = by_path.get(names[start:])
