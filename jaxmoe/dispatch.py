@@ -72,13 +72,10 @@ from jax.sharding import PartitionSpec as P
 from jaxmoe.errors import UserError
 from jaxmoe.model.experts import grouped_swiglu
 from jaxmoe.model.slots import capacity, combine, slot_positions
-from jaxmoe.sharding import expert_axes_of
+from jaxmoe.sharding import expert_axes_of, logical_to_mesh_axes, mesh_axes
 
 # KINDS / TEST_KINDS: see DISPATCHERS (the table of implementations) at the end of the chunks
 
-TOKEN_AXES = ("replica", "fsdp", "expert")
-EXPERT_AXIS = "expert"  # the default expert-parallel axis (mesh.expert_axes = "expert")
-TENSOR_AXIS = "tensor"
 # Workaround (jax >= 0.7 shard_map typing): check_vma=True types every value by the manual mesh
 # axes it varies over. The blocked expert path's loop carries are now built with that type
 # (experts._varying_zeros), but its custom VJP (experts._blocked_ffn) still returns cotangents
@@ -287,9 +284,14 @@ def make_dispatch(cfg, mesh, kind: str):
     n_x = math.prod(mesh.shape[a] for a in ep)
     n_chunks = cfg.mesh.dispatch_chunks
     cf = cfg.mesh.a2a_capacity_factor
-    tok = P(TOKEN_AXES, None)
-    w_in = P(ax, None, TENSOR_AXIS)  # gate/up [E, D, I]: D gathered over fsdp if it is not in ep
-    w_out = P(ax, TENSOR_AXIS, None)  # down [E, I, D]
+    # shard_map specs from the rules table: tokens split like the batch; expert weights by their
+    # declared axes ("experts", "expert_embed", "expert_mlp") except D, which enters whole
+    # (gathered over fsdp when fsdp is not in ep)
+    tok = logical_to_mesh_axes(("batch", None))
+    w_in = logical_to_mesh_axes(("experts", None, "expert_mlp"), ep)  # gate/up [E, D, I]
+    w_out = logical_to_mesh_axes(("experts", "expert_mlp", None), ep)  # down [E, I, D]
+    tp = mesh_axes("expert_mlp")  # the I shards' partial outputs are summed over these
+    batch = mesh_axes("batch")
 
     def dispatch(x, topk_idx, topk_weights, weights, moe_cfg, *, path=None):
         local_path = path or moe_cfg.compute_path  # its grouped form runs on the received rows
@@ -314,10 +316,10 @@ def make_dispatch(cfg, mesh, kind: str):
                 ys.append(yc)
                 dropped = dropped + dc
             y = ys[0] if n_chunks == 1 else jnp.concatenate(ys, 0)
-            y = jax.lax.psum(y, TENSOR_AXIS)  # partial sums over the I shards (no-op if tensor=1)
+            y = jax.lax.psum(y, tp)  # partial sums over the I shards (no-op if tensor=1)
             counts = jnp.zeros((n_exp,), jnp.int32).at[idx.reshape(-1)].add(1)
-            counts = jax.lax.psum(counts, TOKEN_AXES)
-            dropped = jax.lax.psum(dropped, TOKEN_AXES)
+            counts = jax.lax.psum(counts, batch)
+            dropped = jax.lax.psum(dropped, batch)
             return y.astype(x.dtype), counts, dropped
 
         f = jax.shard_map(

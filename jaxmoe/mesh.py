@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
-from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.sharding import (AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, logical_to_mesh_axes, matched_specs,
+                             param_specs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,9 +171,7 @@ class MeshContext:
 
     # -- batch -----------------------------------------------------------------------------
     def batch_sharding(self, ndim: int = 2):
-        from jax.sharding import PartitionSpec as P
-
-        return self.named(P(BATCH_AXES, *([None] * (ndim - 1))))
+        return self.named(logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1)))
 
     def place_batch(self, batch: dict) -> dict:
         """Host-local numpy rows [B_local, ...] -> global arrays sharded over the batch axes.

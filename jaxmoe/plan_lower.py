@@ -36,7 +36,8 @@ from jaxmoe import dispatch as dispatch_mod
 from jaxmoe.config import Config
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
-from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.sharding import (AXES, declared_axes_flat, expert_axes_of, logical_to_mesh_axes, matched_specs,
+                             param_specs)
 from jaxmoe.hlo_stats import count_collectives as hlo_collectives
 from jaxmoe.hlo_stats import optimizer_update_collectives as update_collectives
 from jaxmoe.hlo_stats import total
@@ -71,7 +72,7 @@ def abstract_inputs(cfg: Config, mesh):
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
                          state, specs, is_leaf=_ISP)
     b, s = cfg.train.batch_size // cfg.train.micro_batches * cfg.train.micro_batches, cfg.train.seq_len
-    bs = NamedSharding(mesh, P(BATCH_AXES, None))
+    bs = NamedSharding(mesh, logical_to_mesh_axes(("batch", None)))
     batch = {"inputs": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs),
              "targets": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs),
              "mask": jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=bs)}

@@ -47,14 +47,13 @@ from jaxmoe.errors import UserError
 from jaxmoe.trees import key_path_str
 
 AXES = ("replica", "fsdp", "expert", "tensor")
-BATCH_AXES = ("replica", "fsdp", "expert")  # the batch is split over every axis but `tensor`
 
 # --------------------------------------------------------------------------------------------
 # THE rules table: logical axis name -> mesh axes (None = replicated along that dim)
 # --------------------------------------------------------------------------------------------
 
 LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
-    "batch": BATCH_AXES,
+    "batch": ("replica", "fsdp", "expert"),  # the batch (tokens) is split over every axis but tensor
     "layers": None,  # scanned layer stacks: never sharded (the scan slices it)
     "vocab": ("tensor",),
     "embed": ("fsdp", "expert"),  # dense weights: FSDP over fsdp x expert
@@ -78,6 +77,29 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
 FSDP_LIKE = {"embed", "expert_embed", "lora"}
 
 EXPERT_AXES_CHOICES = ("expert", "fsdp,expert")  # values of mesh.expert_axes
+
+
+def mesh_axes(logical: str, expert_axes: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The mesh axes :data:`LOGICAL_RULES` maps the logical axis ``logical`` to (``()``: not
+    sharded). ``experts`` keeps only those of ``expert_axes`` (:func:`expert_axes_of`; default
+    ``("expert",)``), in rules-table order."""
+    axes = LOGICAL_RULES[logical] or ()
+    if logical == "experts":
+        axes = tuple(a for a in axes if a in (("expert",) if expert_axes is None else expert_axes))
+    return axes
+
+
+def logical_to_mesh_axes(logical: tuple[str | None, ...], expert_axes: tuple[str, ...] | None = None):
+    """A PartitionSpec from logical axis names, one per dim (``None``: not sharded), by the rules
+    table (MaxText's ``logical_to_mesh_axes``): each dim gets :func:`mesh_axes` of its name, one
+    mesh axis as a name, several as a tuple. No divisibility check: that is :func:`spec_for`."""
+    from jax.sharding import PartitionSpec as P
+
+    dims = [mesh_axes(name, expert_axes) if name else () for name in logical]
+    return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
+
+
+BATCH_AXES = mesh_axes("batch")  # the mesh axes the batch's rows (the tokens) are split over
 
 
 def expert_axes_of(value: str | None) -> tuple[str, ...]:
@@ -148,25 +170,23 @@ def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[
     used: set[str] = set()
     pending = []
     for i, name in enumerate(axes):
-        rule = LOGICAL_RULES.get(name) if name else None
-        if name == "experts":
-            rule = tuple(a for a in rule if a in expert_axes)
-        mesh_axes = tuple(a for a in _live(rule, sizes) if a not in used)
-        if not mesh_axes:
+        rule = mesh_axes(name, expert_axes) if name in LOGICAL_RULES else ()
+        live = tuple(a for a in _live(rule, sizes) if a not in used)
+        if not live:
             continue
-        n = math.prod(sizes[a] for a in mesh_axes)
+        n = math.prod(sizes[a] for a in live)
         if shape[i] % n == 0:
-            dims[i] = mesh_axes
-            used.update(mesh_axes)
+            dims[i] = live
+            used.update(live)
         elif name in FSDP_LIKE:
-            pending.append((i, name, mesh_axes))
+            pending.append((i, name, live))
         else:
             raise UserError(
-                f"mesh axis {'*'.join(f'{a}={sizes[a]}' for a in mesh_axes)} does not divide {path} "
-                f"dim {i} ({name}={shape[i]}); choose a mesh whose {'*'.join(mesh_axes)} size divides {shape[i]}"
+                f"mesh axis {'*'.join(f'{a}={sizes[a]}' for a in live)} does not divide {path} "
+                f"dim {i} ({name}={shape[i]}); choose a mesh whose {'*'.join(live)} size divides {shape[i]}"
             )
-    for i, name, mesh_axes in pending:
-        avail = tuple(a for a in mesh_axes if a not in used)
+    for i, name, live in pending:
+        avail = tuple(a for a in live if a not in used)
         free = [j for j in range(len(shape)) if j != i and not dims[j] and axes[j] != "layers"]
         where = [i] + sorted(free, key=lambda j: -shape[j])
         placed = False
@@ -180,7 +200,7 @@ def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[
                     break
             if placed:
                 break
-        left = [a for a in mesh_axes if a not in used]
+        left = [a for a in live if a not in used]
         if replicated is not None and left:
             replicated.append(f"{path} (not sharded over {'*'.join(left)}: {name}={shape[i]})")
     return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
@@ -232,6 +252,8 @@ __all__ = [
     "declared_axes_flat",
     "expert_axes_of",
     "logical_axes",
+    "logical_to_mesh_axes",
+    "mesh_axes",
     "matched_specs",
     "param_specs",
     "spec_for",
