@@ -90,30 +90,84 @@ from jaxmoe.sharding import expert_axes_of, logical_to_mesh_axes, mesh_axes
 CHECK_VMA = False
 
 
+# --------------------------------------------------------------------------------------------
+# The rules of a dispatch, one function each: used by the trainer (jaxmoe.mesh, make_dispatch)
+# and by the planner (jaxmoe.plan, jaxmoe.plan_lower)
+# --------------------------------------------------------------------------------------------
+
+
+def check_dispatcher(kind: str, capacity_factor: float, platform: str | None = None, *,
+                     concrete: bool = False) -> None:
+    """Is ``kind`` (``mesh.dispatcher``, or the kind given to :func:`make_dispatch` when
+    ``concrete``: not ``auto``) with ``mesh.a2a_capacity_factor`` valid? A UserError naming the
+    key if not: the factor must be >= 0, ``ragged_all_to_all`` does not run on ``platform ==
+    "cpu"`` (XLA:CPU; not checked when ``platform`` is None), and a factor > 0 needs the only
+    dispatcher that drops, ``all_to_all`` (``auto`` then picks it)."""
+    cf = capacity_factor
+    if cf < 0:
+        raise UserError(f"mesh.a2a_capacity_factor={cf} must be >= 0 (0 = dropless)")
+    if kind == "auto" and not concrete:
+        return
+    if kind == "ragged_all_to_all" and platform == "cpu":
+        raise UserError(
+            "mesh.dispatcher='ragged_all_to_all' is not implemented by XLA:CPU; "
+            "use mesh.dispatcher=all_to_all or allgather (or auto) on CPU"
+        )
+    if kind not in KINDS + TEST_KINDS:
+        raise UserError(f"mesh.dispatcher={kind!r} is not one of: {'' if concrete else 'auto, '}{', '.join(KINDS)}")
+    if cf > 0 and kind != "all_to_all":
+        raise UserError(
+            f"mesh.a2a_capacity_factor={cf} only applies to mesh.dispatcher=all_to_all "
+            f"({kind} is dropless); set it to 0 or use all_to_all"
+        )
+
+
 def resolve_dispatcher(cfg, platform: str) -> str:
-    """``mesh.dispatcher`` -> a concrete kind for this backend.
+    """``mesh.dispatcher`` -> a concrete kind for this backend (checked by :func:`check_dispatcher`).
 
     ``auto``: ``all_to_all`` on CPU (and whenever ``mesh.a2a_capacity_factor > 0``, the only
     dispatcher that drops), ``ragged_all_to_all`` elsewhere."""
     want = cfg.mesh.dispatcher
     cf = cfg.mesh.a2a_capacity_factor
-    if cf < 0:
-        raise UserError(f"mesh.a2a_capacity_factor={cf} must be >= 0 (0 = dropless)")
+    check_dispatcher(want, cf, platform)
     if want == "auto":
         return "all_to_all" if (platform == "cpu" or cf > 0) else "ragged_all_to_all"
-    if want == "ragged_all_to_all" and platform == "cpu":
-        raise UserError(
-            "mesh.dispatcher='ragged_all_to_all' is not implemented by XLA:CPU; "
-            "use mesh.dispatcher=all_to_all or allgather (or auto) on CPU"
-        )
-    if want not in KINDS + TEST_KINDS:
-        raise UserError(f"mesh.dispatcher={want!r} is not one of: auto, {', '.join(KINDS)}")
-    if cf > 0 and want != "all_to_all":
-        raise UserError(
-            f"mesh.a2a_capacity_factor={cf} only applies to mesh.dispatcher=all_to_all "
-            f"({want} is dropless); set it to 0 or use all_to_all"
-        )
     return want
+
+
+def check_expert_split(n_experts: int, ep_sizes: dict[str, int]) -> None:
+    """The expert-parallel axes (``ep_sizes``: name -> size, in ``mesh.expert_axes`` order) must
+    divide the experts (UserError)."""
+    if n_experts % math.prod(ep_sizes.values()):
+        what = "*".join(f"{a}={s}" for a, s in ep_sizes.items())
+        one = len(ep_sizes) == 1
+        raise UserError(
+            f"mesh axis {what} does not divide moe.n_experts={n_experts}; choose "
+            f"{'an expert axis size' if one else 'fsdp*expert sizes'} that divide{'s' if one else ''} {n_experts}"
+            + ("" if one else " (or set mesh.expert_axes='expert')")
+        )
+
+
+def check_chunks(tokens: int, chunks: int) -> None:
+    """``mesh.dispatch_chunks`` must divide a device's tokens per micro-batch (UserError)."""
+    if tokens % chunks:
+        raise UserError(
+            f"mesh.dispatch_chunks={chunks} does not divide the {tokens} tokens per device per micro-batch"
+        )
+
+
+def receive_rows(kind: str, moe_cfg, n_x: int, tokens: int, capacity_factor: float) -> int:
+    """Rows one device's expert FFN runs on for ``tokens`` of its tokens (one chunk), i.e. the
+    size of the concrete dispatcher ``kind``'s receive buffer over ``n_x`` expert-parallel devices:
+    ``all_to_all`` ``E * C`` (``C = capacity(cf)``, ``T`` when cf = 0); ``ragged_all_to_all`` the
+    worst case ``X * T * min(k, E_l)`` (every source sends all its tokens here); ``allgather``
+    ``X * T * k`` (every gathered assignment, ours or not)."""
+    e, k = moe_cfg.n_experts, moe_cfg.top_k
+    if kind == "all_to_all":
+        return e * capacity(moe_cfg, tokens, factor=capacity_factor)
+    if kind == "allgather":
+        return n_x * tokens * k
+    return n_x * tokens * min(k, e // n_x)  # ragged_all_to_all and its emulation
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,12 +198,13 @@ def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, moe_cfg, ax, **_):
     d = x.shape[-1]
     e_l = n_exp // n_x
     cap = capacity(moe_cfg, t, factor=cf)
+    n_rows = receive_rows("all_to_all", moe_cfg, n_x, t, cf)  # E * C
     pos = slot_positions(idx, n_exp)
     keep = pos < cap
-    slot = jnp.where(keep, idx * cap + pos, n_exp * cap)  # dropped -> out of range
+    slot = jnp.where(keep, idx * cap + pos, n_rows)  # dropped -> out of range
     # [E*C, D] send buffer, expert-major (= destination-major: expert e lives on e // E_l)
     rows = jnp.broadcast_to(x[:, None, :], (t, k, d)).reshape(t * k, d)
-    buf = jnp.zeros((n_exp * cap, d), x.dtype).at[slot.reshape(-1)].add(rows, mode="drop")
+    buf = jnp.zeros((n_rows, d), x.dtype).at[slot.reshape(-1)].add(rows, mode="drop")
     kept = jnp.zeros((n_exp,), jnp.int32).at[slot.reshape(-1) // cap].add(1, mode="drop")
     recv = jax.lax.all_to_all(buf, ax, 0, 0, tiled=True)  # [X(src), E_l, C, D] flat
     rc = jax.lax.all_to_all(kept, ax, 0, 0, tiled=True).reshape(n_x, e_l)
@@ -207,7 +262,7 @@ def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, moe_cfg, ax, emulate=False
     sizes_all = jax.lax.all_gather(send_sizes, ax)  # [src, dst]
     me = jax.lax.axis_index(ax)
     out_off = (jnp.cumsum(sizes_all, 0) - sizes_all)[me]  # where my slice lands on each dst
-    r_max = n_x * t * min(k, e_l)  # worst case: every source sends all its tokens here
+    r_max = receive_rows("ragged_all_to_all", moe_cfg, n_x, t, 0.0)
     recv = ragged(x_send, jnp.zeros((r_max, d), x.dtype), in_off, send_sizes, out_off, recv_sizes)
     # received rows: source-major, each source's rows sorted by local expert (counts rc[s, l])
     seg_end = jnp.cumsum(rc.reshape(-1))
@@ -257,7 +312,7 @@ TEST_KINDS = ("ragged_all_to_all_emulated",)
 def _check_table() -> None:
     import typing
 
-    from jaxmoe.config import MeshConfig
+    from jaxmoe.schema import MeshConfig
 
     declared = set(typing.get_args(typing.get_type_hints(MeshConfig)["dispatcher"])) - {"auto"}
     assert declared == set(KINDS) and set(DISPATCHERS) == set(KINDS + TEST_KINDS)
@@ -274,8 +329,7 @@ _check_table()
 def make_dispatch(cfg, mesh, kind: str):
     """A callable with ``expert_ffn``'s signature running ``kind`` over ``mesh``."""
 
-    if kind not in KINDS + TEST_KINDS:
-        raise UserError(f"unknown dispatcher {kind!r}; choose one of {', '.join(KINDS)}")
+    check_dispatcher(kind, cfg.mesh.a2a_capacity_factor, concrete=True)
     chunk_fn = DISPATCHERS[kind]
     ep = expert_axes_of(getattr(cfg.mesh, "expert_axes", "expert"))
     # collectives run over the product of the expert-parallel axes (one name or a tuple of them;
@@ -296,15 +350,11 @@ def make_dispatch(cfg, mesh, kind: str):
     def dispatch(x, topk_idx, topk_weights, weights, moe_cfg, *, path=None):
         local_path = path or moe_cfg.compute_path  # its grouped form runs on the received rows
         n_exp = weights["gate_proj"].shape[0]
-        if n_exp % n_x:
-            raise UserError(f"mesh axes {'*'.join(ep)}={n_x} do not divide the {n_exp} experts")
+        check_expert_split(n_exp, {a: mesh.shape[a] for a in ep})
 
         def body(x, idx, w, wg, wu, wd):
             t = x.shape[0]
-            if t % n_chunks:
-                raise UserError(
-                    f"mesh.dispatch_chunks={n_chunks} does not divide the {t} tokens per device"
-                )
+            check_chunks(t, n_chunks)
             wl = {"gate_proj": wg, "up_proj": wu, "down_proj": wd}
             one = functools.partial(chunk_fn, n_exp=n_exp, n_x=n_x, path=local_path,
                                     moe_cfg=moe_cfg, cf=cf, ax=ax)
@@ -340,4 +390,5 @@ def make_dispatch(cfg, mesh, kind: str):
     return dispatch
 
 
-__all__ = ["KINDS", "make_dispatch", "ragged_all_to_all_emulated", "resolve_dispatcher"]
+__all__ = ["KINDS", "check_chunks", "check_dispatcher", "check_expert_split", "make_dispatch",
+           "ragged_all_to_all_emulated", "receive_rows", "resolve_dispatcher"]

@@ -33,10 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import Config, count_params, human, load_config
 from jaxmoe.counting import flops_per_token
+from jaxmoe.dispatch import receive_rows, resolve_dispatcher
 from jaxmoe.errors import UserError
 from jaxmoe.mesh import parse_mesh, validate_mesh
 from jaxmoe.model.blocked import _RUN_ROWS
-from jaxmoe.model.slots import capacity
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
 from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, matched_specs, param_specs
@@ -175,20 +175,14 @@ def _attn_widths(m) -> list[int]:
 
 
 def recv_rows(cfg: Config, t: int) -> int:
-    """Rows the expert FFN runs on per device and MoE layer: the dispatcher's receive buffer
-    (all_to_all: ``E * C``, C = ceil(cf*T*k/E) or T when cf = 0; ragged: the worst case
-    ``X * T * min(k, E_l)``; allgather: ``X * T * k``), padded to whole blocks on the blocked path."""
+    """Rows the expert FFN runs on per device and MoE layer: the receive buffer
+    (:func:`jaxmoe.dispatch.receive_rows`) of the dispatcher the trainer would pick on a GPU
+    (:func:`jaxmoe.dispatch.resolve_dispatcher`), padded to whole blocks on the blocked path."""
     e = cfg.moe
     n_x = math.prod(getattr(cfg.mesh, a) for a in expert_axes_of(cfg.mesh.expert_axes))
-    e_l = e.n_experts // n_x
-    kind = cfg.mesh.dispatcher
-    if kind == "all_to_all" or (kind == "auto" and cfg.mesh.a2a_capacity_factor > 0):
-        rows = e.n_experts * capacity(e, t, factor=cfg.mesh.a2a_capacity_factor)
-    elif kind == "allgather":
-        rows = n_x * t * e.top_k
-    else:  # ragged (what auto picks off CPU when dropless)
-        rows = n_x * t * min(e.top_k, e_l)
-    return rows + (e_l * e.block_size if e.compute_path == "blocked" else 0)
+    kind = resolve_dispatcher(cfg, platform="gpu")
+    rows = receive_rows(kind, e, n_x, t, cfg.mesh.a2a_capacity_factor)
+    return rows + (e.n_experts // n_x * e.block_size if e.compute_path == "blocked" else 0)
 
 
 def _layer_saved(cfg: Config, t: int, moe: bool, with_experts: bool = True) -> int:
