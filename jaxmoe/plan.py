@@ -36,7 +36,7 @@ from jaxmoe.counting import flops_per_token
 from jaxmoe.dispatch import receive_rows, resolve_dispatcher
 from jaxmoe.errors import UserError
 from jaxmoe.mesh import parse_mesh, validate_mesh
-from jaxmoe.model.blocked import _RUN_ROWS
+from jaxmoe.model.blocked import RUN_ROWS
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
 from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, matched_specs, param_specs
@@ -250,7 +250,7 @@ def dispatch_bytes(cfg: Config, t: int) -> int:
     activated rows; their gradients exist one run of rows at a time). The previous model (4 R x D
     + 4 R x I) matched tiny (I = D) by coincidence and under-counted tiny-mla (I = D/2).
 
-    The blocked path adds one run's working set, modelled as ``min(_RUN_ROWS, R)`` rows of
+    The blocked path adds one run's working set, modelled as ``min(RUN_ROWS, R)`` rows of
     ``2 D + 2 I`` (the gathered x and dy rows, the run's gate/up gradient): XLA's peak grew by
     387 (tiny, remat none) and 354 (tiny-mla, remat full) floats per row when runs went from 256
     to 512 rows (fsdp=2,expert=4), part of which the terms above already cover; with this term
@@ -260,7 +260,7 @@ def dispatch_bytes(cfg: Config, t: int) -> int:
         return 0
     b = _DTYPE_BYTES[cfg.train.dtype]
     r = recv_rows(cfg, t)
-    run = min(_RUN_ROWS, r) * (2 * m.d_model + 2 * e.expert_ffn_dim) if e.compute_path == "blocked" else 0
+    run = min(RUN_ROWS, r) * (2 * m.d_model + 2 * e.expert_ffn_dim) if e.compute_path == "blocked" else 0
     return (r * (6 * m.d_model + 2 * e.expert_ffn_dim) + run) * b
 
 

@@ -2,7 +2,7 @@
 
 Each assignment gets a row in an expert-contiguous layout where every expert's group is padded
 to a multiple of ``block_size`` rows (a cumulative count, no sort). For each expert that has
-rows, its weights are sliced once, then its group is covered by runs of up to ``_RUN_ROWS`` rows,
+rows, its weights are sliced once, then its group is covered by runs of up to ``RUN_ROWS`` rows,
 each one ordinary matmul per projection (gate and up side by side as one ``[D, 2I]`` operand). A
 run gathers its input rows straight from ``x`` and scatter-adds its weighted outputs into the
 ``[T, D]`` result, so no padded copy of the tokens or of the outputs is ever stored; between the
@@ -13,12 +13,17 @@ outputs needed); plain autodiff of a loop that dynamically slices the weights wo
 a full ``[E, D, I]`` zero-padded gradient per run.
 
 Entry points: :func:`blocked_path` (tokens + routing) and :func:`blocked_swiglu_rows` (rows
-already grouped by expert, as the dispatchers receive them). Measurements: docs/MEASUREMENTS.md.
+already grouped by expert, as the dispatchers receive them). :func:`transform_backward` is the
+fault-injection seam of the hand-written backward (parity's self-test uses it to prove the
+gradient checks catch a wrong weight gradient). Measurements: docs/MEASUREMENTS.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +44,12 @@ def _varying_zeros(shape, dtype, *like):
     return z
 
 
-# Rows per matmul: an expert's blocks are processed in runs of ``_RUN_ROWS // block_size`` blocks
+# Rows per matmul: an expert's blocks are processed in runs of ``RUN_ROWS // block_size`` blocks
 # while they fit, then at most one run each of half, a quarter, ... of that for what is left of
 # the group. Small matmuls run well below a large one's GFLOP/s on XLA:CPU; why this size, see
 # docs/MEASUREMENTS.md ("blocked path"; 512 since the train-step A/B of issue 16: +9% tokens/s
 # on the coarse shape, whose experts get ~512 rows each; groups under 512 rows run as before).
-_RUN_ROWS = 512
+RUN_ROWS = 512
 
 
 def _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, carry):
@@ -54,7 +59,7 @@ def _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, carry):
     once per run); ``body(row0, rows, e, ctx, carry)`` runs per run, ``rows`` static.
     """
     bs = block_size
-    g = max(1, min(_RUN_ROWS, n_rows) // bs)  # a run never exceeds the padded rows
+    g = max(1, min(RUN_ROWS, n_rows) // bs)  # a run never exceeds the padded rows
     g = 1 << (g.bit_length() - 1)  # a power of two: the tail runs g/2, g/4, ..., 1 cover any rest
 
     def per_expert(e, carry):
@@ -240,11 +245,33 @@ def _blocked_ffn_bwd(block_size, res, dout):
     dx, d_w_rows, dwg, dwu, dwd = _for_each_run(n_rows, grp_start, grp_blocks, block_size, prep, body, init)
     ok = out_idx < n_rows
     d_comb = jnp.where(ok, d_w_rows[jnp.minimum(out_idx, n_rows - 1)], 0)
-    return (dx.astype(x.dtype), d_comb.astype(comb_w.dtype), dwg.astype(wg.dtype),
-            dwu.astype(wu.dtype), dwd.astype(wd.dtype), None, None, None, None)
+    grads = {"x": dx.astype(x.dtype), "combine_weights": d_comb.astype(comb_w.dtype),
+             "gate_proj": dwg.astype(wg.dtype), "up_proj": dwu.astype(wu.dtype), "down_proj": dwd.astype(wd.dtype)}
+    transform = _BACKWARD_TRANSFORM.get()
+    if transform is not None:
+        grads = transform(grads)
+    return (grads["x"], grads["combine_weights"], grads["gate_proj"], grads["up_proj"], grads["down_proj"],
+            None, None, None, None)
 
 
 _blocked_ffn.defvjp(_blocked_ffn_fwd, _blocked_ffn_bwd)
+
+_BACKWARD_TRANSFORM: contextvars.ContextVar[Callable[[dict], dict] | None] = contextvars.ContextVar(
+    "blocked_backward_transform", default=None)
+
+
+@contextlib.contextmanager
+def transform_backward(fn: Callable[[dict], dict]):
+    """While active, the blocked path's backward passes its cotangents, a dict with keys ``x``,
+    ``combine_weights``, ``gate_proj``, ``up_proj``, ``down_proj``, through ``fn`` before
+    returning them. The rule runs when jax *traces* the gradient, so ``fn`` applies to what is
+    traced inside the ``with`` (a function traced before keeps its cached gradient). The seam
+    for fault injection (parity/fault_hooks.py); the forward is untouched."""
+    token = _BACKWARD_TRANSFORM.set(fn)
+    try:
+        yield
+    finally:
+        _BACKWARD_TRANSFORM.reset(token)
 
 
 def blocked_swiglu_rows(x_sorted, group_sizes, weights, block_size):
@@ -275,4 +302,4 @@ def blocked_path(x, topk_idx, topk_weights, weights, moe_cfg):
     return y.astype(x.dtype)
 
 
-__all__ = ["blocked_path", "blocked_swiglu_rows"]
+__all__ = ["RUN_ROWS", "blocked_path", "blocked_swiglu_rows", "transform_backward"]
