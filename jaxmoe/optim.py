@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmoe.config import TrainConfig
+from jaxmoe.schema import TrainConfig
 from jaxmoe.flexshard import orthogonalise
 from jaxmoe.trees import key_path_str
 

@@ -31,8 +31,8 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe.config import Config, count_params, human, load_config
-from jaxmoe.counting import flops_per_token
+from jaxmoe.config import Config, load_config
+from jaxmoe.counting import count_params, flops_per_token, human
 from jaxmoe.dispatch import receive_rows, resolve_dispatcher
 from jaxmoe.errors import UserError
 from jaxmoe.mesh import parse_mesh, validate_mesh

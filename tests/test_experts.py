@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.config import MoEConfig
+from jaxmoe.schema import MoEConfig
 from jaxmoe.model.experts import capacity, expert_ffn, grouped_swiglu
 
 PATHS = ("dense", "ragged", "blocked")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
-from jaxmoe.config import TrainConfig
+from jaxmoe.schema import TrainConfig
 from jaxmoe.optim import (
     build_optimizer,
     clip_by_global_norm,
