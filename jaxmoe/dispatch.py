@@ -219,10 +219,10 @@ def _a2a_chunk(x, idx, w, wl, *, n_exp, n_x, cf, path, moe_cfg, ax, **_):
 
 
 def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                               *, axis_name, axis_size):
+                               *, axis_name):
     """Same contract as ``jax.lax.ragged_all_to_all``, built from ``all_gather`` + gathers so that
     it runs on XLA:CPU. For tests of the ragged dispatcher's offset arithmetic only: it moves
-    ``axis_size`` times the data."""
+    the axis size times the data."""
 
     del recv_sizes  # implied by the senders' send_sizes
     me = jax.lax.axis_index(axis_name)
@@ -236,7 +236,6 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
     hit = jnp.any(inside, axis=0)
     src = jnp.clip(io[s] + r - oo[s], 0, operand.shape[0] - 1)
     vals = ops[s, src]
-    del axis_size
     return jnp.where(hit[:, None], vals, output)
 
 
@@ -247,7 +246,7 @@ def _ragged_chunk(x, idx, w, wl, *, n_exp, n_x, path, moe_cfg, ax, emulate=False
     e_l = n_exp // n_x
     n = t * k
     if emulate:
-        ragged = functools.partial(ragged_all_to_all_emulated, axis_name=ax, axis_size=n_x)
+        ragged = functools.partial(ragged_all_to_all_emulated, axis_name=ax)
     else:
         ragged = functools.partial(jax.lax.ragged_all_to_all, axis_name=ax)
     flat_e = idx.reshape(-1)  # assignment a = token a // k, choice a % k

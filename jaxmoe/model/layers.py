@@ -36,12 +36,6 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """SwiGLU MLP: ``down(silu(x @ gate) * (x @ up))`` (weights ``[D, F]``, ``[D, F]``, ``[F, D]``)."""
-    h = jax.nn.silu(linear(x, gate)) * linear(x, up)
-    return linear(h, down)
-
-
 # ---------------------------------------------------------------------------------------------
 # RoPE
 # ---------------------------------------------------------------------------------------------
