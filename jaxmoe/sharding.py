@@ -22,15 +22,11 @@ How sharding is decided, in three steps (the mesh itself and placement: :mod:`ja
    the axis; an FSDP-style axis (``embed``, ``expert_embed``, ``lora``) that does not divide moves
    its mesh axes (or a subset of them) to another unsharded dim of the same array that they
    divide, and otherwise leaves the array replicated along them (recorded in
-   ``MeshContext.replicated``). This fallback is what makes the seed's ``replica=4, expert=384``
-   layout expressible: 384 = 3 * 128 divides few of europa-952b's dense dims (``d_model=7168``
-   does not), so those matrices are sharded along their other dim where it divides (e.g. the
-   dense FFN's 13824) and the rest (embedding, lm_head, ``o_proj`` [8192, 7168], ``kv_a_proj``,
-   ``kv_b_proj``) stay replicated — see ``tests/test_sharding.py`` for the per-device size. The
-   layout that fits is the factored one, ``replica=4,fsdp=128,expert=3`` with
-   ``mesh.expert_axes = "fsdp,expert"``: the experts' E axis over fsdp x expert (384 whole experts,
-   one per device) and every dense weight FSDP-sharded over fsdp (7168 = 128 x 56) or more;
-   ``jaxmoe plan`` reports the replicated share and whether experts stay whole.
+   ``MeshContext.replicated``). The fallback keeps a mesh whose expert-parallel size divides few
+   dense dims runnable; the layout that shards them is the factored one (``mesh.expert_axes =
+   "fsdp,expert"``: experts whole over fsdp x expert, dense weights FSDP over fsdp), and
+   ``jaxmoe plan`` reports the replicated share and whether experts stay whole (the europa-952b
+   figures: docs/MEASUREMENTS.md).
 
 Optimizer state is sharded like the parameter it belongs to: every optax leaf whose key path ends
 in a parameter path and whose shape equals that parameter's gets the parameter's sharding; other

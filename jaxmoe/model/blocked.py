@@ -46,9 +46,8 @@ def _varying_zeros(shape, dtype, *like):
 
 # Rows per matmul: an expert's blocks are processed in runs of ``RUN_ROWS // block_size`` blocks
 # while they fit, then at most one run each of half, a quarter, ... of that for what is left of
-# the group. Small matmuls run well below a large one's GFLOP/s on XLA:CPU; why this size, see
-# docs/MEASUREMENTS.md ("blocked path"; 512 since the train-step A/B of issue 16: +9% tokens/s
-# on the coarse shape, whose experts get ~512 rows each; groups under 512 rows run as before).
+# the group. Small matmuls run well below a large one's GFLOP/s on XLA:CPU, so runs are as long as
+# the typical expert group allows (the A/B behind this size: docs/MEASUREMENTS.md).
 RUN_ROWS = 512
 
 
