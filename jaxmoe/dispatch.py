@@ -83,7 +83,7 @@ from jaxmoe.sharding import expert_axes_of, logical_to_mesh_axes, mesh_axes
 
 # Workaround (jax >= 0.7 shard_map typing): check_vma=True types every value by the manual mesh
 # axes it varies over. The blocked expert path's loop carries are now built with that type
-# (experts._varying_zeros), but its custom VJP (experts._blocked_ffn) still returns cotangents
+# (blocked._varying_zeros), but its custom VJP (blocked._blocked_ffn) still returns cotangents
 # typed like the values they were computed from, not like the primal inputs: dx for tokens that
 # are invariant over `tensor` comes back varying over `tensor` (measured: "Custom VJP bwd rule
 # must produce an output with the same type as the args tuple", tests/test_dispatch.py, jax
