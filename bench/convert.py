@@ -55,7 +55,8 @@ print("BENCH " + json.dumps({"rc": rc, "seconds": secs, "peak_rss": rss}))
 
 
 def bench_config(gb: float, experts: int = 64):
-    from jaxmoe.config import config_from_dict, count_params, load_config
+    from jaxmoe.config import config_from_dict, load_config
+    from jaxmoe.counting import count_params
 
     base = load_config("tiny")
     d = {
@@ -115,7 +116,7 @@ def main() -> None:
     ap.add_argument("--keep", help="work in this directory and keep it")
     args = ap.parse_args()
 
-    from jaxmoe.config import count_params
+    from jaxmoe.counting import count_params
     from jaxmoe.port import hf_map
 
     cfg = bench_config(args.gb, args.experts)

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from experts import SHAPES, best_of, expert_inputs, ideal_batched_ffn  # noqa: E402
-from jaxmoe.config import MoEConfig  # noqa: E402
+from jaxmoe.schema import MoEConfig  # noqa: E402
 from jaxmoe.host_alloc import keep_freed_memory  # noqa: E402
 from jaxmoe.model.experts import expert_ffn  # noqa: E402
 

@@ -48,7 +48,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.config import MoEConfig
+from jaxmoe.schema import MoEConfig
 from jaxmoe.host_alloc import keep_freed_memory
 from jaxmoe.model.experts import PATHS, expert_ffn
 

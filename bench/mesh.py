@@ -144,6 +144,7 @@ def analytic(cfg, ctx, params) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from jaxmoe.sharding import BATCH_AXES, param_specs
+    from jaxmoe.trees import key_path_str
 
     sizes = ctx.sizes
     nb = math.prod(sizes[a] for a in BATCH_AXES)
@@ -168,7 +169,7 @@ def analytic(cfg, ctx, params) -> dict:
         s = math.prod(sizes[a] for a in used if a in BATCH_AXES)
         # expert weights are used in place along `expert` (inside shard_map): only their other
         # sharded axes (fsdp) are gathered
-        g = s // sizes["expert"] if "experts" in jax.tree_util.keystr(kp) and "expert" in used else s
+        g = s // sizes["expert"] if "experts" in key_path_str(kp) and "expert" in used else s
         if g > 1:
             gather += size // (s // g)
             rs += size // (s // g)

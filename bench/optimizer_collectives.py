@@ -20,6 +20,7 @@ from jaxmoe.hlo_stats import optimizer_update_collectives, total  # noqa: E402
 from jaxmoe.mesh import make_mesh  # noqa: E402
 from jaxmoe.model.transformer import abstract_params  # noqa: E402
 from jaxmoe.sharding import declared_axes_flat, param_specs  # noqa: E402
+from jaxmoe.trees import key_path_str  # noqa: E402
 
 
 def factored(cfg, sizes):
@@ -28,7 +29,7 @@ def factored(cfg, sizes):
     live = tuple(a for a in ("fsdp", "expert") if sizes[a] > 1)
 
     def one(kp, spec):
-        ax = axes["/".join(str(k.key) for k in kp)]
+        ax = axes[key_path_str(kp)]
         if "experts" not in ax:
             return spec
         return P(*[(live if len(live) > 1 else live[0]) if n == "experts" else None for n in ax])

@@ -4,7 +4,7 @@
 
 A VARIANT is a comma-separated list of ``set:SECTION.KEY=VALUE`` (a config override),
 ``py:MODULE.ATTR=INT`` (a module constant read at trace time, e.g.
-``py:jaxmoe.model.blocked._RUN_ROWS=256``; restored after that variant is compiled) or
+``py:jaxmoe.model.blocked.RUN_ROWS=256``; restored after that variant is compiled) or
 ``ENV=VALUE``; the empty string is the current code. Every variant is compiled and warmed up
 first; each round then times STEPS steps of every variant, the order reversed every other round.
 Prints each variant's median tokens/s (range) and its per-round ratio to the first variant.

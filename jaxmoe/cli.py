@@ -13,7 +13,8 @@ import os
 import sys
 import threading
 
-from jaxmoe.config import ConfigError, count_params, human, list_presets, load_config
+from jaxmoe.config import ConfigError, list_presets, load_config
+from jaxmoe.counting import count_params, human
 from jaxmoe.errors import UserError
 from jaxmoe.extras import EXTRA_OF, hint
 

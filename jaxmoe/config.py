@@ -26,18 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxmoe.archs import get_arch
-from jaxmoe.counting import COUNT_METHOD, count_params, flops_per_token, human  # noqa: F401 (API)
 from jaxmoe.errors import ConfigError
-from jaxmoe.schema import (  # noqa: F401 (the schema is part of this module's API)
-    SECTIONS,
-    Config,
-    MeshConfig,
-    ModelConfig,
-    MoEConfig,
-    TrainConfig,
-    _field_type,
-    choices,
-)
+from jaxmoe.schema import SECTIONS, Config, choices, field_type
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -100,7 +90,7 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
         close = [n for n in names if key in n or n in key]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise ConfigError(f"unknown config key {section}.{key}{hint}")
-    setattr(obj, key, _coerce(section, key, value, _field_type(type(obj), key)))
+    setattr(obj, key, _coerce(section, key, value, field_type(type(obj), key)))
 
 
 def config_from_dict(data: dict, base: Config | None = None) -> Config:
@@ -342,19 +332,12 @@ def validate(cfg: Config) -> Config:
 
 
 __all__ = [
-    "Config",
-    "ConfigError",
-    "MeshConfig",
-    "ModelConfig",
-    "MoEConfig",
-    "TrainConfig",
+    "Config",  # what load_config returns (defined in jaxmoe.schema)
+    "ConfigError",  # what validation raises (defined in jaxmoe.errors)
     "config_from_dict",
-    "choices",
     "config_to_toml",
-    "count_params",
-    "flops_per_token",
-    "human",
     "list_presets",
     "load_config",
+    "parse_override",
     "validate",
 ]

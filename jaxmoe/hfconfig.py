@@ -36,15 +36,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxmoe.archs import ARCHS, MODEL_TYPES as _ARCH_BY_TYPE, arch_for_model_type, get_arch
+from jaxmoe.archs import arch_for_model_type, get_arch
 from jaxmoe.archs.common import get as _get
 from jaxmoe.config import Config, SECTIONS, validate
 from jaxmoe.errors import ConfigError
-
-# Views of the architecture records (jaxmoe/archs), kept for callers of this module.
-ARCHITECTURES = {name: a.hf_class for name, a in ARCHS.items()}
-MODEL_TYPES = {t: a.name for t, a in _ARCH_BY_TYPE.items()}
-
 
 # --------------------------------------------------------------------------------------------
 # jaxmoe -> HF
@@ -204,4 +199,4 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
     return validate(cfg)
 
 
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "from_hf_config", "to_hf_config"]
+__all__ = ["from_hf_config", "to_hf_config"]

@@ -36,7 +36,8 @@ import numpy as np
 
 from jaxmoe import compile_cache
 from jaxmoe.checkpoint import Checkpointer
-from jaxmoe.config import Config, config_to_toml, flops_per_token
+from jaxmoe.config import Config, config_to_toml
+from jaxmoe.counting import flops_per_token
 from jaxmoe.data import make_data
 from jaxmoe.errors import UserError
 from jaxmoe.model.transformer import Model, abstract_params, declared_groups, init_fn

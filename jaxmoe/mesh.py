@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
-from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.sharding import (AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, logical_to_mesh_axes, matched_specs,
+                             param_specs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,9 +179,7 @@ class MeshContext:
 
     # -- batch -----------------------------------------------------------------------------
     def batch_sharding(self, ndim: int = 2):
-        from jax.sharding import PartitionSpec as P
-
-        return self.named(P(BATCH_AXES, *([None] * (ndim - 1))))
+        return self.named(logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1)))
 
     def place_batch(self, batch: dict) -> dict:
         """Host-local numpy rows [B_local, ...] -> global arrays sharded over the batch axes.
@@ -226,6 +225,7 @@ def _place(x, sharding):
 
 def validate_mesh(cfg: Config, sizes: dict[str, int]) -> None:
     """One-line UserErrors for a mesh that cannot run this config (before any compute)."""
+    from jaxmoe.dispatch import check_chunks, check_expert_split
     from jaxmoe.model.experts import get_path
 
     e, t = cfg.moe, cfg.train
@@ -233,15 +233,8 @@ def validate_mesh(cfg: Config, sizes: dict[str, int]) -> None:
         get_path(e.compute_path, under_mesh=True)
     except ValueError as err:
         raise UserError(str(err)) from None
-    ep = expert_axes_of(cfg.mesh.expert_axes)
-    n_ep = math.prod(sizes[a] for a in ep)
-    if cfg.model.n_moe_layers and e.n_experts % n_ep:
-        what = "*".join(f"{a}={sizes[a]}" for a in ep)
-        raise UserError(
-            f"mesh axis {what} does not divide moe.n_experts={e.n_experts}; choose "
-            f"{'an expert axis size' if len(ep) == 1 else 'fsdp*expert sizes'} that divide{'s' if len(ep) == 1 else ''} {e.n_experts}"
-            + (" (or set mesh.expert_axes='expert')" if len(ep) > 1 else "")
-        )
+    if cfg.model.n_moe_layers:
+        check_expert_split(e.n_experts, {a: sizes[a] for a in expert_axes_of(cfg.mesh.expert_axes)})
     nb = math.prod(sizes[a] for a in BATCH_AXES)
     per_micro = t.batch_size // t.micro_batches
     if per_micro % nb:
@@ -250,12 +243,7 @@ def validate_mesh(cfg: Config, sizes: dict[str, int]) -> None:
             f"micro-batch (train.batch_size={t.batch_size} / train.micro_batches={t.micro_batches}); "
             "change the batch size or the mesh"
         )
-    tokens_local = per_micro * t.seq_len // nb
-    if tokens_local % cfg.mesh.dispatch_chunks:
-        raise UserError(
-            f"mesh.dispatch_chunks={cfg.mesh.dispatch_chunks} does not divide the {tokens_local} "
-            "tokens per device per micro-batch"
-        )
+    check_chunks(per_micro * t.seq_len // nb, cfg.mesh.dispatch_chunks)
 
 
 def build_context(cfg: Config, sizes: dict[str, int] | None = None, *, dispatcher: str | None = None,

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmoe.config import TrainConfig
+from jaxmoe.schema import TrainConfig
 from jaxmoe.flexshard import orthogonalise
+from jaxmoe.trees import key_path_str
 
 # --------------------------------------------------------------------------------------------
 # Learning-rate schedules
@@ -153,14 +154,6 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 # --------------------------------------------------------------------------------------------
 
 
-def _path(keypath) -> str:
-    """``/``-joined names of a pytree key path (dict keys, attributes, indices)."""
-    parts = []
-    for k in keypath:
-        parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
-    return "/".join(parts)
-
-
 class MuonState(NamedTuple):
     count: jax.Array  # number of updates done (int32), indexes the learning-rate schedule
     momentum: Any  # momentum buffers, like params, fp32
@@ -262,7 +255,7 @@ def muon(
         raise ValueError(f"muon placement={placement!r} is not one of replicated, owner")
     dtype = jnp.bfloat16 if ns_dtype == "bfloat16" else jnp.float32
     by_path = {} if shardings is None else {
-        _path(kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+        key_path_str(kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
     lr_fn = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
 
     def ratio(shape) -> float:
@@ -303,7 +296,7 @@ def muon(
             return (new - p32).astype(p.dtype)
 
         keyed, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        paths = [_path(kp) for kp, _ in keyed]
+        paths = [key_path_str(kp) for kp, _ in keyed]
         flat_b = treedef.flatten_up_to(state.momentum)
         flat_p = treedef.flatten_up_to(params)
         steps = [momentum_step(g, b) for (_, g), b in zip(keyed, flat_b)]

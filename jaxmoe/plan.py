@@ -31,15 +31,16 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe.config import Config, count_params, human, load_config
-from jaxmoe.counting import flops_per_token
+from jaxmoe.config import Config, load_config
+from jaxmoe.counting import count_params, flops_per_token, human
+from jaxmoe.dispatch import receive_rows, resolve_dispatcher
 from jaxmoe.errors import UserError
 from jaxmoe.mesh import parse_mesh, validate_mesh
-from jaxmoe.model.blocked import _RUN_ROWS
-from jaxmoe.model.slots import capacity
+from jaxmoe.model.blocked import RUN_ROWS
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
-from jaxmoe.sharding import AXES, BATCH_AXES, _path_str, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.sharding import AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.trees import key_path_str
 
 MAX_REPLICATED_DENSE = 0.05  # a layout replicating more of the dense weights is reported
 GB = 1e9
@@ -121,7 +122,7 @@ def state_bytes(cfg: Config) -> dict:
         for (kp, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(tree),
                                     jax.tree_util.tree_leaves(specs, is_leaf=isP)):
             n = math.prod(leaf.shape) * leaf.dtype.itemsize
-            out.append(("/".join(_path_str(kp)), tuple(leaf.shape), spec, n, n // _shards(spec, sizes)))
+            out.append((key_path_str(kp), tuple(leaf.shape), spec, n, n // _shards(spec, sizes)))
         return out
 
     pt, bt, ot = table(params, pspecs), table(buffers, bspecs), table(opt, ospecs)
@@ -174,20 +175,14 @@ def _attn_widths(m) -> list[int]:
 
 
 def recv_rows(cfg: Config, t: int) -> int:
-    """Rows the expert FFN runs on per device and MoE layer: the dispatcher's receive buffer
-    (all_to_all: ``E * C``, C = ceil(cf*T*k/E) or T when cf = 0; ragged: the worst case
-    ``X * T * min(k, E_l)``; allgather: ``X * T * k``), padded to whole blocks on the blocked path."""
+    """Rows the expert FFN runs on per device and MoE layer: the receive buffer
+    (:func:`jaxmoe.dispatch.receive_rows`) of the dispatcher the trainer would pick on a GPU
+    (:func:`jaxmoe.dispatch.resolve_dispatcher`), padded to whole blocks on the blocked path."""
     e = cfg.moe
     n_x = math.prod(getattr(cfg.mesh, a) for a in expert_axes_of(cfg.mesh.expert_axes))
-    e_l = e.n_experts // n_x
-    kind = cfg.mesh.dispatcher
-    if kind == "all_to_all" or (kind == "auto" and cfg.mesh.a2a_capacity_factor > 0):
-        rows = e.n_experts * capacity(e, t, factor=cfg.mesh.a2a_capacity_factor)
-    elif kind == "allgather":
-        rows = n_x * t * e.top_k
-    else:  # ragged (what auto picks off CPU when dropless)
-        rows = n_x * t * min(e.top_k, e_l)
-    return rows + (e_l * e.block_size if e.compute_path == "blocked" else 0)
+    kind = resolve_dispatcher(cfg, platform="gpu")
+    rows = receive_rows(kind, e, n_x, t, cfg.mesh.a2a_capacity_factor)
+    return rows + (e.n_experts // n_x * e.block_size if e.compute_path == "blocked" else 0)
 
 
 def _layer_saved(cfg: Config, t: int, moe: bool, with_experts: bool = True) -> int:
@@ -255,7 +250,7 @@ def dispatch_bytes(cfg: Config, t: int) -> int:
     activated rows; their gradients exist one run of rows at a time). The previous model (4 R x D
     + 4 R x I) matched tiny (I = D) by coincidence and under-counted tiny-mla (I = D/2).
 
-    The blocked path adds one run's working set, modelled as ``min(_RUN_ROWS, R)`` rows of
+    The blocked path adds one run's working set, modelled as ``min(RUN_ROWS, R)`` rows of
     ``2 D + 2 I`` (the gathered x and dy rows, the run's gate/up gradient): XLA's peak grew by
     387 (tiny, remat none) and 354 (tiny-mla, remat full) floats per row when runs went from 256
     to 512 rows (fsdp=2,expert=4), part of which the terms above already cover; with this term
@@ -265,7 +260,7 @@ def dispatch_bytes(cfg: Config, t: int) -> int:
         return 0
     b = _DTYPE_BYTES[cfg.train.dtype]
     r = recv_rows(cfg, t)
-    run = min(_RUN_ROWS, r) * (2 * m.d_model + 2 * e.expert_ffn_dim) if e.compute_path == "blocked" else 0
+    run = min(RUN_ROWS, r) * (2 * m.d_model + 2 * e.expert_ffn_dim) if e.compute_path == "blocked" else 0
     return (r * (6 * m.d_model + 2 * e.expert_ffn_dim) + run) * b
 
 

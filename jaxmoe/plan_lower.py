@@ -36,11 +36,13 @@ from jaxmoe import dispatch as dispatch_mod
 from jaxmoe.config import Config
 from jaxmoe.model.transformer import Model, abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer
-from jaxmoe.sharding import AXES, BATCH_AXES, _path_str, declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.sharding import (AXES, declared_axes_flat, expert_axes_of, logical_to_mesh_axes, matched_specs,
+                             param_specs)
 from jaxmoe.hlo_stats import count_collectives as hlo_collectives
 from jaxmoe.hlo_stats import optimizer_update_collectives as update_collectives
 from jaxmoe.hlo_stats import total
 from jaxmoe.step import init_state, make_train_step
+from jaxmoe.trees import key_path_str
 
 _ISP = lambda x: isinstance(x, P)  # noqa: E731
 
@@ -70,7 +72,7 @@ def abstract_inputs(cfg: Config, mesh):
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
                          state, specs, is_leaf=_ISP)
     b, s = cfg.train.batch_size // cfg.train.micro_batches * cfg.train.micro_batches, cfg.train.seq_len
-    bs = NamedSharding(mesh, P(BATCH_AXES, None))
+    bs = NamedSharding(mesh, logical_to_mesh_axes(("batch", None)))
     batch = {"inputs": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs),
              "targets": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs),
              "mask": jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=bs)}
@@ -91,7 +93,7 @@ def lower_train_step(cfg: Config, platform: str = "cuda") -> dict:
     leaves = []
     for kp, x in jax.tree_util.tree_leaves_with_path(state):
         shard = x.sharding.shard_shape(x.shape)
-        leaves.append((math.prod(shard) * x.dtype.itemsize, "/".join(_path_str(kp)), list(x.shape), list(shard)))
+        leaves.append((math.prod(shard) * x.dtype.itemsize, key_path_str(kp), list(x.shape), list(shard)))
     leaves.sort(reverse=True)
     mem = None
     backend = jax.default_backend()
@@ -161,7 +163,7 @@ def _spec_table(c: Config) -> dict:
     p = abstract_params(c)[0]
     sp = jax.tree.leaves(param_specs(p, declared_axes_flat(c), s, None, expert_axes_of(c.mesh.expert_axes)),
                          is_leaf=_ISP)
-    return {"/".join(_path_str(kp)): q for (kp, _), q in zip(jax.tree_util.tree_leaves_with_path(p), sp)}
+    return {key_path_str(kp): q for (kp, _), q in zip(jax.tree_util.tree_leaves_with_path(p), sp)}
 
 
 def reduced_config(cfg: Config, n_devices: int = 8) -> tuple[Config, list]:

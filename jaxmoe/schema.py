@@ -240,7 +240,9 @@ def choices(cls, name: str) -> tuple | None:
     return None
 
 
-def _field_type(cls, name: str) -> type:
+def field_type(cls, name: str) -> type:
+    """The Python type a value of field ``name`` of section ``cls`` is coerced to (a ``Literal``'s
+    value type, else the default's type)."""
     hint = _hints(cls)[name]
     if typing.get_origin(hint) is Literal:
         return type(typing.get_args(hint)[0])
@@ -250,4 +252,4 @@ def _field_type(cls, name: str) -> type:
     return type(f.default_factory())  # type: ignore[misc]
 
 
-__all__ = ["Config", "MeshConfig", "ModelConfig", "MoEConfig", "SECTIONS", "TrainConfig", "choices"]
+__all__ = ["Config", "MeshConfig", "ModelConfig", "MoEConfig", "SECTIONS", "TrainConfig", "choices", "field_type"]

@@ -22,15 +22,11 @@ How sharding is decided, in three steps (the mesh itself and placement: :mod:`ja
    the axis; an FSDP-style axis (``embed``, ``expert_embed``, ``lora``) that does not divide moves
    its mesh axes (or a subset of them) to another unsharded dim of the same array that they
    divide, and otherwise leaves the array replicated along them (recorded in
-   ``MeshContext.replicated``). This fallback is what makes the seed's ``replica=4, expert=384``
-   layout expressible: 384 = 3 * 128 divides few of europa-952b's dense dims (``d_model=7168``
-   does not), so those matrices are sharded along their other dim where it divides (e.g. the
-   dense FFN's 13824) and the rest (embedding, lm_head, ``o_proj`` [8192, 7168], ``kv_a_proj``,
-   ``kv_b_proj``) stay replicated — see ``tests/test_sharding.py`` for the per-device size. The
-   layout that fits is the factored one, ``replica=4,fsdp=128,expert=3`` with
-   ``mesh.expert_axes = "fsdp,expert"``: the experts' E axis over fsdp x expert (384 whole experts,
-   one per device) and every dense weight FSDP-sharded over fsdp (7168 = 128 x 56) or more;
-   ``jaxmoe plan`` reports the replicated share and whether experts stay whole.
+   ``MeshContext.replicated``). The fallback keeps a mesh whose expert-parallel size divides few
+   dense dims runnable; the layout that shards them is the factored one (``mesh.expert_axes =
+   "fsdp,expert"``: experts whole over fsdp x expert, dense weights FSDP over fsdp), and
+   ``jaxmoe plan`` reports the replicated share and whether experts stay whole (the europa-952b
+   figures: docs/MEASUREMENTS.md).
 
 Optimizer state is sharded like the parameter it belongs to: every optax leaf whose key path ends
 in a parameter path and whose shape equals that parameter's gets the parameter's sharding; other
@@ -44,16 +40,16 @@ import math
 
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
+from jaxmoe.trees import key_path_str
 
 AXES = ("replica", "fsdp", "expert", "tensor")
-BATCH_AXES = ("replica", "fsdp", "expert")  # the batch is split over every axis but `tensor`
 
 # --------------------------------------------------------------------------------------------
 # THE rules table: logical axis name -> mesh axes (None = replicated along that dim)
 # --------------------------------------------------------------------------------------------
 
 LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
-    "batch": BATCH_AXES,
+    "batch": ("replica", "fsdp", "expert"),  # the batch (tokens) is split over every axis but tensor
     "layers": None,  # scanned layer stacks: never sharded (the scan slices it)
     "vocab": ("tensor",),
     "embed": ("fsdp", "expert"),  # dense weights: FSDP over fsdp x expert
@@ -77,6 +73,29 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
 FSDP_LIKE = {"embed", "expert_embed", "lora"}
 
 EXPERT_AXES_CHOICES = ("expert", "fsdp,expert")  # values of mesh.expert_axes
+
+
+def mesh_axes(logical: str, expert_axes: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The mesh axes :data:`LOGICAL_RULES` maps the logical axis ``logical`` to (``()``: not
+    sharded). ``experts`` keeps only those of ``expert_axes`` (:func:`expert_axes_of`; default
+    ``("expert",)``), in rules-table order."""
+    axes = LOGICAL_RULES[logical] or ()
+    if logical == "experts":
+        axes = tuple(a for a in axes if a in (("expert",) if expert_axes is None else expert_axes))
+    return axes
+
+
+def logical_to_mesh_axes(logical: tuple[str | None, ...], expert_axes: tuple[str, ...] | None = None):
+    """A PartitionSpec from logical axis names, one per dim (``None``: not sharded), by the rules
+    table (MaxText's ``logical_to_mesh_axes``): each dim gets :func:`mesh_axes` of its name, one
+    mesh axis as a name, several as a tuple. No divisibility check: that is :func:`spec_for`."""
+    from jax.sharding import PartitionSpec as P
+
+    dims = [mesh_axes(name, expert_axes) if name else () for name in logical]
+    return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
+
+
+BATCH_AXES = mesh_axes("batch")  # the mesh axes the batch's rows (the tokens) are split over
 
 
 def expert_axes_of(value: str | None) -> tuple[str, ...]:
@@ -147,25 +166,23 @@ def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[
     used: set[str] = set()
     pending = []
     for i, name in enumerate(axes):
-        rule = LOGICAL_RULES.get(name) if name else None
-        if name == "experts":
-            rule = tuple(a for a in rule if a in expert_axes)
-        mesh_axes = tuple(a for a in _live(rule, sizes) if a not in used)
-        if not mesh_axes:
+        rule = mesh_axes(name, expert_axes) if name in LOGICAL_RULES else ()
+        live = tuple(a for a in _live(rule, sizes) if a not in used)
+        if not live:
             continue
-        n = math.prod(sizes[a] for a in mesh_axes)
+        n = math.prod(sizes[a] for a in live)
         if shape[i] % n == 0:
-            dims[i] = mesh_axes
-            used.update(mesh_axes)
+            dims[i] = live
+            used.update(live)
         elif name in FSDP_LIKE:
-            pending.append((i, name, mesh_axes))
+            pending.append((i, name, live))
         else:
             raise UserError(
-                f"mesh axis {'*'.join(f'{a}={sizes[a]}' for a in mesh_axes)} does not divide {path} "
-                f"dim {i} ({name}={shape[i]}); choose a mesh whose {'*'.join(mesh_axes)} size divides {shape[i]}"
+                f"mesh axis {'*'.join(f'{a}={sizes[a]}' for a in live)} does not divide {path} "
+                f"dim {i} ({name}={shape[i]}); choose a mesh whose {'*'.join(live)} size divides {shape[i]}"
             )
-    for i, name, mesh_axes in pending:
-        avail = tuple(a for a in mesh_axes if a not in used)
+    for i, name, live in pending:
+        avail = tuple(a for a in live if a not in used)
         free = [j for j in range(len(shape)) if j != i and not dims[j] and axes[j] != "layers"]
         where = [i] + sorted(free, key=lambda j: -shape[j])
         placed = False
@@ -179,26 +196,10 @@ def spec_for(path: str, shape: tuple[int, ...], axes: tuple | None, sizes: dict[
                     break
             if placed:
                 break
-        left = [a for a in mesh_axes if a not in used]
+        left = [a for a in live if a not in used]
         if replicated is not None and left:
             replicated.append(f"{path} (not sharded over {'*'.join(left)}: {name}={shape[i]})")
     return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
-
-
-def _path_str(keypath) -> list[str]:
-    import jax
-
-    out = []
-    for k in keypath:
-        if isinstance(k, jax.tree_util.DictKey):
-            out.append(str(k.key))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            out.append(str(k.name))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out.append(str(k.idx))
-        else:
-            out.append(str(k))
-    return out
 
 
 def param_specs(tree, axes: dict[str, tuple], sizes: dict[str, int], replicated: list | None = None,
@@ -208,7 +209,7 @@ def param_specs(tree, axes: dict[str, tuple], sizes: dict[str, int], replicated:
     import jax
 
     def one(kp, x):
-        path = "/".join(_path_str(kp))
+        path = key_path_str(kp)
         return spec_for(path, tuple(x.shape), axes.get(path), sizes, replicated, expert_axes)
 
     return jax.tree_util.tree_map_with_path(one, tree)
@@ -224,10 +225,10 @@ def matched_specs(tree, params, pspecs):
     for (kp, p), (_, s) in zip(
         jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(pspecs, is_leaf=lambda x: isinstance(x, P))
     ):
-        by_path[tuple(_path_str(kp))] = (tuple(p.shape), s)
+        by_path[tuple(key_path_str(kp).split("/"))] = (tuple(p.shape), s)
 
     def one(kp, leaf):
-        names = tuple(_path_str(kp))
+        names = tuple(key_path_str(kp).split("/"))
         shape = tuple(getattr(leaf, "shape", ()))
         for start in range(len(names)):
             hit = by_path.get(names[start:])
@@ -247,6 +248,8 @@ __all__ = [
     "declared_axes_flat",
     "expert_axes_of",
     "logical_axes",
+    "logical_to_mesh_axes",
+    "mesh_axes",
     "matched_specs",
     "param_specs",
     "spec_for",

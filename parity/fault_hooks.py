@@ -1,13 +1,13 @@
-"""The monkeypatches behind the self-test's backward, optimizer, balance and dispatch faults.
+"""The hooks behind the self-test's backward, optimizer, balance and dispatch faults.
 
 Each function returns a context manager that breaks one thing while it is active and restores it
-on exit; nothing in jaxmoe/ or torch_ref/ is edited. jax-side patches are active while jax
+on exit; nothing in jaxmoe/ or torch_ref/ is edited. jax-side hooks are active while jax
 *traces* (parity.runner keeps what they change in the fault's own cache entry); torch-side ones
 while torch_ref runs (``TorchSide.patched``).
 
-* :func:`blocked_vjp_scaled` (jax, backward): the blocked expert path's custom VJP
-  (``jaxmoe.model.blocked._blocked_ffn``) with its down-projection weight gradient times
-  ``1 + eps``; its forward is the original function, so only ``grad[...]`` can see it.
+* :func:`blocked_vjp_scaled` (jax, backward): the blocked expert path's backward, through its
+  seam ``jaxmoe.model.blocked.transform_backward``, with its down-projection weight gradient
+  times ``1 + eps``; the forward is untouched, so only ``grad[...]`` can see it.
 * :func:`adamw_without_bias_correction` (torch, optimizer): torch_ref's AdamW replaced by one
   whose moments are not bias-corrected (``m / (1 - b1^t)``, ``v / (1 - b2^t)`` dropped).
 * :func:`muon_transposed` (torch, optimizer): ``torch.optim.Muon`` adjusts the learning rate from
@@ -42,19 +42,10 @@ def _patched(module, name: str, value):
 
 def blocked_vjp_scaled(eps: float = 1e-3):
     """The blocked path with ``d down_proj`` scaled by ``1 + eps`` in its custom VJP."""
-    import jax  # late: jax (parity.faults is imported by the CLI before --mesh sets XLA_FLAGS)
+    # late: jax (parity.faults is imported by the CLI before --mesh sets XLA_FLAGS)
+    from jaxmoe.model.blocked import transform_backward
 
-    from jaxmoe.model import blocked
-
-    original = blocked._blocked_ffn
-    faulty = jax.custom_vjp(original.fun, nondiff_argnums=original.nondiff_argnums)
-
-    def bwd(block_size, res, dout):
-        g = blocked._blocked_ffn_bwd(block_size, res, dout)
-        return (*g[:4], g[4] * (1.0 + eps), *g[5:])  # (dx, d_comb, dwg, dwu, dwd, ...)
-
-    faulty.defvjp(blocked._blocked_ffn_fwd, bwd)
-    return _patched(blocked, "_blocked_ffn", faulty)
+    return transform_backward(lambda g: {**g, "down_proj": g["down_proj"] * (1.0 + eps)})
 
 
 def slot_swap():

@@ -1,7 +1,7 @@
 """Fault injection: prove that the parity suite fails, and fails at the right place.
 
 Each :class:`Fault` breaks one side without touching library files -- a config copy given to
-torch_ref, a monkeypatch active while torch_ref runs or while jax traces (parity.fault_hooks),
+torch_ref, a monkeypatch active while torch_ref runs or a hook active while jax traces (parity.fault_hooks),
 or an edit of the loaded weights -- and names the check(s) where the suite's
 ``first_divergence`` must point (the forward faults; the backward, optimizer, balance and
 dispatch faults are in :func:`default_faults` and parity.fault_hooks):

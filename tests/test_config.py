@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from jaxmoe.config import ConfigError, count_params, list_presets, load_config
+from jaxmoe.config import ConfigError, list_presets, load_config
+from jaxmoe.counting import count_params
 
 PUBLISHED = {
     # name: (total, active, total tolerance, active tolerance)

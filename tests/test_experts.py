@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.config import MoEConfig
+from jaxmoe.schema import MoEConfig
 from jaxmoe.model.experts import capacity, expert_ffn, grouped_swiglu
 
 PATHS = ("dense", "ragged", "blocked")
@@ -116,12 +116,12 @@ def test_all_tokens_to_one_expert():
 def test_blocked_runs_cover_long_groups_and_every_tail(monkeypatch, run_rows):
     """Groups longer than one run (several full runs) and remainders needing each tail length.
 
-    With ``_RUN_ROWS`` 8 or 12 and block 2, runs are 4 blocks (12 rounds down to a power of
+    With ``RUN_ROWS`` 8 or 12 and block 2, runs are 4 blocks (12 rounds down to a power of
     two), tails 2 and 1; the skewed routing gives groups of many lengths, incl. one of 40 rows.
     """
     from jaxmoe.model import blocked
 
-    monkeypatch.setattr(blocked, "_RUN_ROWS", run_rows)
+    monkeypatch.setattr(blocked, "RUN_ROWS", run_rows)
     cfg = MoEConfig(n_experts=E, top_k=2, expert_ffn_dim=I, block_size=2)
     logits = jax.random.normal(jax.random.key(11), (T, E)) + jnp.asarray([9.0] + [0.0] * (E - 1))
     w, idx = jax.lax.top_k(jax.nn.softmax(logits), 2)

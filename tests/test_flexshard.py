@@ -18,6 +18,7 @@ from jaxmoe.mesh import make_mesh
 from jaxmoe.model.transformer import abstract_params, declared_groups
 from jaxmoe.optim import build_optimizer, param_labels
 from jaxmoe.sharding import declared_axes_flat, param_specs
+from jaxmoe.trees import key_path_str
 
 MESHES = {"fsdp2xexpert4": dict(replica=1, fsdp=2, expert=4, tensor=1),
           "fsdp8": dict(replica=1, fsdp=8, expert=1, tensor=1)}
@@ -52,7 +53,7 @@ def _factored_specs(cfg, sizes):
 
     flat = {p: fix(p, s) for p, s in _flat(specs).items()}
     return jax.tree_util.tree_map_with_path(
-        lambda kp, _: flat["/".join(str(k.key) for k in kp)], params)
+        lambda kp, _: flat[key_path_str(kp)], params)
 
 
 # ------------------------------------------------------------------------------------------

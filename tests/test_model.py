@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.config import count_params, load_config
+from jaxmoe.config import load_config
+from jaxmoe.counting import count_params
 from jaxmoe.objective import model_loss
 from jaxmoe.model.transformer import Model, Transformer, apply_model, init_params, param_count
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
-from jaxmoe.config import TrainConfig
+from jaxmoe.schema import TrainConfig
 from jaxmoe.optim import (
     build_optimizer,
     clip_by_global_norm,
@@ -20,6 +20,7 @@ from jaxmoe.optim import (
     muon,
     param_labels,
 )
+from jaxmoe.trees import key_path_str
 
 STEPS = 10
 
@@ -78,7 +79,7 @@ def layout_groups(params):
 def flat(tree):
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out["/".join(str(k.key) for k in path)] = leaf
+        out[key_path_str(path)] = leaf
     return out
 
 

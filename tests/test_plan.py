@@ -11,7 +11,8 @@ import json
 import pytest
 
 from jaxmoe.cli import main
-from jaxmoe.config import count_params, load_config
+from jaxmoe.config import load_config
+from jaxmoe.counting import count_params
 from jaxmoe.mesh import parse_mesh
 from jaxmoe.plan import MAX_REPLICATED_DENSE, make_plan, plan_config
 

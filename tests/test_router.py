@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.config import MoEConfig
+from jaxmoe.schema import MoEConfig
 from jaxmoe.model.router import route
 
 

@@ -123,7 +123,7 @@ def test_europa_seed_layout_is_expressible():
         per_dev += n // shards
     assert specs["moe"]["experts"]["gate_proj"] == P(None, "expert", None, None)
     # the analytic count of the config equals the abstract tree's size
-    from jaxmoe.config import count_params
+    from jaxmoe.counting import count_params
 
     assert total == count_params(cfg)["total_params"]
     # experts (98.7% of the weights) are split 384-way: one expert per device per layer

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jaxmoe.config import ModelConfig
+from jaxmoe.schema import ModelConfig
 from torch_ref.layers import Linear, RMSNorm, apply_rope, yarn_mscale
 
 

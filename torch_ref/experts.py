@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from jaxmoe.config import MoEConfig
+from jaxmoe.schema import MoEConfig
 from torch_ref.layers import SwiGLU
 
 

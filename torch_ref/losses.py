@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from jaxmoe.config import Config, MoEConfig
+from jaxmoe.config import Config
+from jaxmoe.schema import MoEConfig
 
 
 def normalised_scores(scores: torch.Tensor, e: MoEConfig) -> torch.Tensor:

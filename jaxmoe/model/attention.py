@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.config import ModelConfig
+from jaxmoe.schema import ModelConfig
 from jaxmoe.model.layers import apply_rope, yarn_softmax_mscale
 from jaxmoe.model.params import Linear, RMSNorm, builds, normal, ones, stack_axes
 

@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.config import MoEConfig
+from jaxmoe.schema import MoEConfig
 from jaxmoe.errors import UserError
 
 # the choices the config declares (moe.ragged_kernel), implemented below

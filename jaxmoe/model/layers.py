@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoe.config import ModelConfig
+from jaxmoe.schema import ModelConfig
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -34,12 +34,6 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` with ``w`` stored ``[in, out]``, computed in ``x.dtype`` (fp32 accumulation)."""
     y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
-
-
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """SwiGLU MLP: ``down(silu(x @ gate) * (x @ up))`` (weights ``[D, F]``, ``[D, F]``, ``[F, D]``)."""
-    h = jax.nn.silu(linear(x, gate)) * linear(x, up)
-    return linear(h, down)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.config import MoEConfig
+from jaxmoe.schema import MoEConfig
 from jaxmoe.model.params import Weight
 
 
