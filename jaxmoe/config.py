@@ -78,7 +78,9 @@ def _coerce(section: str, key: str, value: Any, typ: type) -> Any:
     raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+def apply_setting(cfg: Config, section: str, key: str, value: Any) -> None:
+    """Set ``cfg.<section>.<key>`` to ``value`` coerced to the field's type, in place; an unknown
+    section or key is a one-line ConfigError (with close names as a hint)."""
     if section not in SECTIONS:
         raise ConfigError(
             f"unknown config section {section!r} (in {section}.{key}); sections are: "
@@ -110,7 +112,7 @@ def config_from_dict(data: dict, base: Config | None = None) -> Config:
         if not isinstance(values, dict):
             raise ConfigError(f"config entry {section!r} must be a [section] table")
         for key, value in values.items():
-            _apply(cfg, section, key, value)
+            apply_setting(cfg, section, key, value)
     return cfg
 
 
@@ -168,7 +170,7 @@ def load_config(
         cfg = config_from_dict(load_preset_dict(preset or "tiny"))
     for text in overrides:
         section, key, value = parse_override(text)
-        _apply(cfg, section, key, value)
+        apply_setting(cfg, section, key, value)
     if validate_config:
         validate(cfg)
     return cfg
@@ -334,6 +336,7 @@ def validate(cfg: Config) -> Config:
 __all__ = [
     "Config",  # what load_config returns (defined in jaxmoe.schema)
     "ConfigError",  # what validation raises (defined in jaxmoe.errors)
+    "apply_setting",
     "config_from_dict",
     "config_to_toml",
     "list_presets",

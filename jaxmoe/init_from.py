@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmoe.config import Config, _apply, parse_override, validate
+from jaxmoe.config import Config, apply_setting, parse_override, validate
 from jaxmoe.errors import ConfigError, UserError
 from jaxmoe.model.transformer import abstract_params, model_declarations
 from jaxmoe.port.formats import open_source, parse_endpoint
@@ -94,7 +94,7 @@ def config_from_source(base: Config, src, overrides) -> Config:
     for text in overrides:
         section, key, value = parse_override(text)
         if section in MODEL_SECTIONS:
-            _apply(cfg, section, key, value)
+            apply_setting(cfg, section, key, value)
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds the source model's "
                           f"max_position_embeddings={cfg.model.max_seq_len}; lower train.seq_len")

@@ -195,7 +195,7 @@ MESH_OVERRIDES = ("mesh.dispatcher=all_to_all",)
 STAGES = {"forward": (False, 0), "backward": (True, 0), "steps": (False, 1), "all": (True, 1), "mesh": (False, 0)}
 
 
-def _matches(name: str | None, expected: tuple) -> bool:
+def name_matches(name: str | None, expected: tuple) -> bool:
     """``name`` equals one of ``expected`` or matches it as a pattern whose only wildcard is
     ``*`` (the brackets of ``moe_out[1]`` are literal, not a glob character class)."""
     return name is not None and any(name == pat or fnmatch.fnmatchcase(name, pat.replace("[", "[[]"))
@@ -214,7 +214,7 @@ def run_fault(f: Fault, profile: str, seed: int, init_scale: float, cache: dict)
     got = fd["name"] if fd else None
     if f.expected:
         caught = not rep["passed"]
-        ok = caught and _matches(got, f.expected)
+        ok = caught and name_matches(got, f.expected)
         margin = fd["value"] / fd["tolerance"] if fd and fd.get("tolerance") else None
     else:
         caught, ok = None, rep["passed"]

@@ -4,7 +4,7 @@ interleaved, YaRN).
 Everything here is a pure function of arrays (parameters are passed in explicitly); the modules
 (:mod:`jaxmoe.model.params`, ``attention``, ``mlp``, ...) call them.
 
-Precision rules (DESIGN "Numerics contract"):
+Precision rules (docs/LAYOUT.md, "Numerics"):
 
 * RMSNorm statistics are computed in fp32 and the result cast back to the input dtype.
 * RoPE angles and the rotation are computed in fp32.
