@@ -23,13 +23,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
+from experts import SHAPES, best_of, expert_inputs, ideal_batched_ffn
 
-from experts import SHAPES, best_of, expert_inputs, ideal_batched_ffn  # noqa: E402
-from jaxmoe.schema import MoEConfig  # noqa: E402
-from jaxmoe.host_alloc import keep_freed_memory  # noqa: E402
-from jaxmoe.model.experts import expert_ffn  # noqa: E402
+from jaxmoe.host_alloc import keep_freed_memory
+from jaxmoe.model.experts import expert_ffn
+from jaxmoe.schema import MoEConfig
 
 
 def _functions(shape: str, t: int, block_size: int) -> dict:

@@ -5,7 +5,8 @@
 
 Shapes: ``small`` (the default, item 5 of issue 16) is the ``small`` preset's expert layer (D=512,
 I=256, E=32, k=4); ``coarse`` (E=8, k=2, I=1024) and ``fine`` (E=64, k=8, I=256) are the expert
-layers of ``bench/train_step.py``'s two shapes (D=512). T tokens, random (softmax top-k) routing. For each path (dense, ragged, blocked) it times forward and
+layers of ``bench/train_step.py``'s two shapes (D=512). T tokens, random (softmax top-k) routing.
+For each path (dense, ragged, blocked) it times forward and
 forward+backward (gradients w.r.t. x and all expert weights) and reports *useful* GFLOP/s:
 
     forward FLOPs  = 2 * T * k * 3 * D * I     (gate, up, down projections of every assignment)
@@ -48,9 +49,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.schema import MoEConfig
 from jaxmoe.host_alloc import keep_freed_memory
 from jaxmoe.model.experts import PATHS, expert_ffn
+from jaxmoe.schema import MoEConfig
 
 
 def best_of(fn, args, repeats: int) -> float:
@@ -159,7 +160,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2, help="calls per round (best one counts)")
     ap.add_argument("--paths", default="dense,ragged,blocked")
     ap.add_argument("--block-size", type=int, default=MoEConfig().block_size)
-    ap.add_argument("--no-ideal", action="store_true", help="skip the two no-routing references (ideal_loop, ideal_batched)")
+    ap.add_argument("--no-ideal", action="store_true",
+                    help="skip the two no-routing references (ideal_loop, ideal_batched)")
     ap.add_argument("--system-malloc", action="store_true",
                     help="leave glibc's malloc as it is (default: keep freed memory; "
                          "see jaxmoe/host_alloc.py)")

@@ -21,11 +21,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from jaxmoe.losses import chunked_cross_entropy, cross_entropy  # noqa: E402
-from jaxmoe.model.attention import attend  # noqa: E402
+from jaxmoe.losses import chunked_cross_entropy, cross_entropy
+from jaxmoe.model.attention import attend
 
 B, S, H, KV, HD, D, V = 8, 256, 8, 4, 64, 512, 8192
 
@@ -84,7 +84,8 @@ def main():
     ce = {"whole": jax.jit(jax.value_and_grad(whole, argnums=(0, 1)))}
     for c in (256, 512, 1024):
         f = jax.value_and_grad(lambda h, w, c=c: chunked_cross_entropy(h, w, t, m, chunk_tokens=c)[0], argnums=(0, 1))
-        print(f"CE chunked {c:5d}  fwd+bwd: %.2f GFLOP, %.0f MB accessed, temp %.1f MB" % cost(f, h, w, trips=B * S // c))
+        print(f"CE chunked {c:5d}  fwd+bwd: %.2f GFLOP, %.0f MB accessed, temp %.1f MB"
+              % cost(f, h, w, trips=B * S // c))
         if c == 1024:
             ce["chunked_1024"] = jax.jit(f)
     if a.time:

@@ -38,17 +38,18 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-from collections import defaultdict  # noqa: E402
+import argparse
+import dataclasses
+import math
+import re
+import time
+from collections import defaultdict
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8, "u64": 8}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8,
+               "u64": 8}
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|s8|u8|pred|f64|s64|u64)\[([\d,]*)\]")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
@@ -183,9 +184,9 @@ def run_layout(preset, spec, kind, chunks, batch, seq, steps):
     import jax
 
     from jaxmoe.config import load_config
+    from jaxmoe.mesh import build_context, parse_mesh
     from jaxmoe.model.transformer import declared_groups, init_params
     from jaxmoe.optim import build_optimizer
-    from jaxmoe.mesh import build_context, parse_mesh
     from jaxmoe.step import init_state, make_train_step
 
     cfg = load_config(preset, overrides=[f"train.batch_size={batch}", f"train.seq_len={seq}"])

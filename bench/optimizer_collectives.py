@@ -12,15 +12,15 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+from jax.sharding import PartitionSpec as P
 
-from jaxmoe.config import load_config  # noqa: E402
-from jaxmoe.hlo_stats import optimizer_update_collectives, total  # noqa: E402
-from jaxmoe.mesh import make_mesh  # noqa: E402
-from jaxmoe.model.transformer import abstract_params  # noqa: E402
-from jaxmoe.sharding import declared_axes_flat, param_specs  # noqa: E402
-from jaxmoe.trees import key_path_str  # noqa: E402
+from jaxmoe.config import load_config
+from jaxmoe.hlo_stats import optimizer_update_collectives, total
+from jaxmoe.mesh import make_mesh
+from jaxmoe.model.transformer import abstract_params
+from jaxmoe.sharding import declared_axes_flat, param_specs
+from jaxmoe.trees import key_path_str
 
 
 def factored(cfg, sizes):

@@ -33,7 +33,8 @@ def main(argv=None) -> int:
         sync(run())
     for i in range(args.steps):
         dt, os_use = timed_steps(run, sync, 1)
-        print(f"step {i}: wall {dt:.3f}s user {os_use['user_s']:.2f}s sys {os_use['sys_s']:.2f}s minor faults {os_use['minflt']:.0f}")
+        print(f"step {i}: wall {dt:.3f}s user {os_use['user_s']:.2f}s sys {os_use['sys_s']:.2f}s "
+              f"minor faults {os_use['minflt']:.0f}")
     return 0
 
 

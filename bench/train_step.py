@@ -340,7 +340,8 @@ def main(argv=None) -> int:
                    help="a jaxmoe config override for A/B runs (e.g. train.ce_chunk_tokens=1024)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    def log(m):
+        print(m, file=sys.stderr, flush=True)
     shapes = ["coarse", "fine"] if args.shape == "all" else [args.shape]
     t0 = time.perf_counter()
     skip = tuple(x for x in args.skip.split(",") if x)

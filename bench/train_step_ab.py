@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import B, S, jax_config, make_jaxmoe  # noqa: E402
+from train_step import B, S, jax_config, make_jaxmoe
 
 
 def main(argv=None) -> int:

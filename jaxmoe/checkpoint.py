@@ -23,14 +23,13 @@ Typed PRNG keys (``jax.random.key``) are not serialisable by Orbax: they are sav
 from __future__ import annotations
 
 import asyncio
-import sys
 import logging
 import mmap
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 

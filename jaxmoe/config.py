@@ -304,7 +304,7 @@ def validate(cfg: Config) -> Config:
                if v % 64}
         if bad:
             raise ConfigError("moe.ragged_kernel='mosaic_gpu' needs model.d_model and moe.expert_ffn_dim "
-                              f"to be multiples of 64 (its 64-wide K tiles); got "
+                              "to be multiples of 64 (its 64-wide K tiles); got "
                               + ", ".join(f"{k}={v}" for k, v in bad.items()))
     for k in ("lb_coef", "seq_aux_coef", "router_z_coef", "bias_update_rate", "route_scale"):
         if getattr(e, k) < 0:

@@ -137,7 +137,7 @@ def _load_tokenizer(path_str: str):
 
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on bad JSON)
         raise UserError(f"tokenizer file {path} is not a valid tokenizer.json: {e}") from None
 
 

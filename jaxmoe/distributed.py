@@ -57,7 +57,7 @@ def backend_initialized() -> bool:
         from jax._src import xla_bridge
 
         return bool(getattr(xla_bridge, "_backends", {}))
-    except Exception:  # pragma: no cover - private API moved
+    except Exception:  # noqa: BLE001 (a private API that may move)  # pragma: no cover
         return False
 
 
@@ -96,7 +96,7 @@ def _use_gloo() -> None:
 
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except Exception:  # pragma: no cover - option renamed/removed in a future jax
+    except Exception:  # noqa: BLE001 (an option a future jax may rename)  # pragma: no cover
         pass
 
 

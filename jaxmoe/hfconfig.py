@@ -38,7 +38,7 @@ from typing import Any
 
 from jaxmoe.archs import arch_for_model_type, get_arch
 from jaxmoe.archs.common import get as _get
-from jaxmoe.config import Config, SECTIONS, validate
+from jaxmoe.config import SECTIONS, Config, validate
 from jaxmoe.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------
@@ -126,9 +126,9 @@ def from_hf_config(d: dict, base: Config | None = None) -> Config:
     architecture record's ``hf_defaults``), never jaxmoe's. The semantics HF fixes are set whatever
     ``base`` says: dropless routing (capacity 0), the architecture's load-balance form
     (``moe.lb_scope``) and MLA norm eps. Other sections and fields HF does not describe come from
-    ``base`` (the defaults when None). The result is validated. Settings the architecture's HF code would run but jaxmoe cannot
-    (sliding windows, attention biases, other RoPE types, activations other than SiLU, interleaved
-    dense/MoE layers) raise ConfigError naming the key.
+    ``base`` (the defaults when None). The result is validated. Settings the architecture's HF code
+    would run but jaxmoe cannot (sliding windows, attention biases, other RoPE types, activations
+    other than SiLU, interleaved dense/MoE layers) raise ConfigError naming the key.
     """
     if not isinstance(d, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")

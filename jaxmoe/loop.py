@@ -42,11 +42,10 @@ from jaxmoe.data import make_data
 from jaxmoe.errors import UserError
 from jaxmoe.model.transformer import Model, abstract_params, declared_groups, init_fn
 from jaxmoe.optim import build_optimizer, lr_schedule
-from jaxmoe.prefetch import Prefetcher
 from jaxmoe.preempt import EXIT_PREEMPTED, Preemption
+from jaxmoe.prefetch import Prefetcher
 from jaxmoe.run_dir import RunDir
-from jaxmoe.step import (device_peak_flops, init_state, make_eval_step, make_train_step, opt_init_fn,
-                         state_shardings)
+from jaxmoe.step import device_peak_flops, init_state, make_eval_step, make_train_step, opt_init_fn, state_shardings
 
 EXIT_STOPPED = 3  # train.max_bad_steps non-finite steps in a row
 

@@ -15,9 +15,15 @@ from typing import Any, Callable
 
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
-from jaxmoe.sharding import (AXES, BATCH_AXES, declared_axes_flat, expert_axes_of, logical_to_mesh_axes, matched_specs,
-                             param_specs)
-
+from jaxmoe.sharding import (
+    AXES,
+    BATCH_AXES,
+    declared_axes_flat,
+    expert_axes_of,
+    logical_to_mesh_axes,
+    matched_specs,
+    param_specs,
+)
 
 # --------------------------------------------------------------------------------------------
 # Mesh
@@ -293,7 +299,8 @@ def setup_from_args(cfg: Config, args) -> tuple[Config, MeshContext]:
     if jax.process_index() == 0 and not getattr(args, "quiet", False):
         desc = ",".join(f"{a}={ctx.sizes[a]}" for a in AXES)
         print(f"mesh {desc} over {jax.device_count()} devices in {jax.process_count()} process(es); "
-              f"dispatcher {ctx.dispatcher}" + (f"; replicated: {len(ctx.replicated)} leaves" if ctx.replicated else ""))
+              f"dispatcher {ctx.dispatcher}"
+              + (f"; replicated: {len(ctx.replicated)} leaves" if ctx.replicated else ""))
     return cfg, ctx
 
 

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmoe.schema import TrainConfig
 from jaxmoe.flexshard import orthogonalise
+from jaxmoe.schema import TrainConfig
 from jaxmoe.trees import key_path_str
 
 # --------------------------------------------------------------------------------------------

@@ -34,13 +34,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe import dispatch as dispatch_mod
 from jaxmoe.config import Config
-from jaxmoe.model.transformer import Model, abstract_params, declared_groups
-from jaxmoe.optim import build_optimizer
-from jaxmoe.sharding import (AXES, declared_axes_flat, expert_axes_of, logical_to_mesh_axes, matched_specs,
-                             param_specs)
 from jaxmoe.hlo_stats import count_collectives as hlo_collectives
 from jaxmoe.hlo_stats import optimizer_update_collectives as update_collectives
 from jaxmoe.hlo_stats import total
+from jaxmoe.model.transformer import Model, abstract_params, declared_groups
+from jaxmoe.optim import build_optimizer
+from jaxmoe.sharding import AXES, declared_axes_flat, expert_axes_of, logical_to_mesh_axes, matched_specs, param_specs
 from jaxmoe.step import init_state, make_train_step
 from jaxmoe.trees import key_path_str
 
@@ -183,7 +182,8 @@ def reduced_config(cfg: Config, n_devices: int = 8) -> tuple[Config, list]:
     vocab = next(v for v in range(64, 64 * 1000, 64)
                  if all((v % red[a] == 0) == (m.vocab_size % sizes[a] == 0) for a in AXES))
     small = cfg.replace(model=dataclasses.replace(m, vocab_size=vocab, **shape),
-                        moe=dataclasses.replace(e, n_experts=n_exp, top_k=min(e.top_k, n_exp), n_groups=1, topk_groups=1),
+                        moe=dataclasses.replace(e, n_experts=n_exp, top_k=min(e.top_k, n_exp), n_groups=1,
+                                                topk_groups=1),
                         mesh=dataclasses.replace(cfg.mesh, **red))
     full = _spec_table(cfg.replace(model=dataclasses.replace(m, **shape)))
     diff = [f"{k}: {full[k]} at full size, {q} reduced" for k, q in _spec_table(small).items()

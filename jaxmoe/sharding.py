@@ -223,7 +223,8 @@ def matched_specs(tree, params, pspecs):
 
     by_path = {}
     for (kp, p), (_, s) in zip(
-        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(pspecs, is_leaf=lambda x: isinstance(x, P))
+        jax.tree_util.tree_leaves_with_path(params),
+        jax.tree_util.tree_leaves_with_path(pspecs, is_leaf=lambda x: isinstance(x, P)),
     ):
         by_path[tuple(key_path_str(kp).split("/"))] = (tuple(p.shape), s)
 

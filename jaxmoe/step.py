@@ -22,7 +22,6 @@ from jaxmoe.model.transformer import Model, init_params
 from jaxmoe.objective import make_grad_fn, model_loss
 from jaxmoe.optim import global_norm
 
-
 # --------------------------------------------------------------------------------------------
 # State and step
 # --------------------------------------------------------------------------------------------

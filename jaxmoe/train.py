@@ -22,7 +22,6 @@ from pathlib import Path
 from jaxmoe.config import Config, load_config
 from jaxmoe.errors import UserError
 
-
 # jax is imported lazily (inside functions) so that `jaxmoe --help` and config errors are instant.
 
 

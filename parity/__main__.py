@@ -12,7 +12,10 @@ def _wants_devices(argv: list[str]) -> int:
     if "--all" in argv:
         return 8
     for i, a in enumerate(argv):
-        spec = a.split("=", 1)[1] if a.startswith("--mesh=") else (argv[i + 1] if a == "--mesh" and i + 1 < len(argv) else None)
+        if a.startswith("--mesh="):
+            spec = a.split("=", 1)[1]
+        else:
+            spec = argv[i + 1] if a == "--mesh" and i + 1 < len(argv) else None
         if spec:
             n = 1
             for part in spec.split(","):

@@ -58,7 +58,8 @@ def selection_gap(scores: np.ndarray, bias: np.ndarray | None, e) -> np.ndarray:
     come from rounding alone."""
     s = scores.astype(np.float64)
     t, n = s.shape
-    sel = s + bias.astype(np.float64)[None] if (e.score_func == "sigmoid" and e.use_expert_bias and bias is not None) else s
+    biased = e.score_func == "sigmoid" and e.use_expert_bias and bias is not None
+    sel = s + bias.astype(np.float64)[None] if biased else s
     gap = np.full(t, np.inf)
     if e.n_groups > 1:
         g = sel.reshape(t, e.n_groups, n // e.n_groups)
@@ -145,7 +146,7 @@ class _NoProbes(dict):
 def compare_forward(cfg: Config, jf: dict, tf: dict, tol: Tolerances, checks: Checks) -> dict:
     """Gate weights, counts, dropped and every probe, in forward order. Returns per-layer errors
     (for the plot)."""
-    m, e = cfg.model, cfg.moe
+    m = cfg.model
     jp = jf["aux"]["probes"]
     tp = tf["aux"].get("probes") or _NoProbes()
     ja, ta = jf["aux"], tf["aux"]

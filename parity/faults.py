@@ -36,8 +36,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from parity import fault_hooks as hooks

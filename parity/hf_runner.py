@@ -16,10 +16,17 @@ import copy
 import dataclasses
 import time
 
-from parity.checks import Checks, compare_forward, compare_losses, compare_named, compare_routing, compare_steps
-from parity.checks import first_divergence
+from parity.checks import (
+    Checks,
+    compare_forward,
+    compare_losses,
+    compare_named,
+    compare_routing,
+    compare_steps,
+    first_divergence,
+)
 from parity.hf_side import HFSide, lb_pooled
-from parity.sides import JaxSide, to_numpy, init_weights, make_batches, setup_numerics, to_hf
+from parity.sides import JaxSide, init_weights, make_batches, setup_numerics, to_hf, to_numpy
 from parity.tolerances import tolerances_for
 
 
@@ -80,7 +87,8 @@ def run_hf_suite(opts, cfg, n_steps: int) -> dict:
 
     items = checks.items
     report = {
-        "passed": all(c["passed"] for c in items), "name": opts.label if opts.label.endswith("-hf") else opts.label + "-hf", "reference": "hf",
+        "passed": all(c["passed"] for c in items),
+        "name": opts.label if opts.label.endswith("-hf") else opts.label + "-hf", "reference": "hf",
         "first_divergence": first_divergence(items), "checks": items, "n_checks": len(items),
         "n_failed": sum(not c["passed"] for c in items), "routing": routing,
         "comparison_routing": "natural (transformers cannot replay a routing)", "loss_curves": curves,

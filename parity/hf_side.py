@@ -168,8 +168,11 @@ class HFSide:
         with torch.no_grad():
             _, metrics, routers, logits = self.objective(torch_batch(batch))
         lg = np.stack([to_numpy(r[0]) for r in routers]) if routers else np.zeros((0,))
-        scores = (1 / (1 + np.exp(-lg.astype(np.float64))) if e.score_func == "sigmoid"
-                  else np.exp(lg - lg.max(-1, keepdims=True)) / np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        if e.score_func == "sigmoid":
+            scores = 1 / (1 + np.exp(-lg.astype(np.float64)))
+        else:
+            ex = np.exp(lg - lg.max(-1, keepdims=True))
+            scores = ex / ex.sum(-1, keepdims=True)
         idx = np.stack([to_numpy(r[2]).astype(np.int64) for r in routers]) if routers else np.zeros((0,))
         w = np.stack([to_numpy(r[1]) for r in routers]) if routers else np.zeros((0,))
         counts = np.stack([np.bincount(i.ravel(), minlength=e.n_experts) for i in idx]) if routers else idx

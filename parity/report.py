@@ -34,7 +34,8 @@ def to_markdown(report: dict) -> str:
     lines = [f"# Parity: {report['name']} -- {status}", ""]
     fd = report.get("first_divergence")
     lines.append(f"* checks: {report['n_checks']}, failed: {report['n_failed']}")
-    lines.append(f"* first divergence: {fd['name'] + ' (' + fd['metric'] + ' = ' + _fmt(fd['value']) + ' > ' + _fmt(fd['tolerance']) + ')' if fd else 'none'}")
+    where = f"{fd['name']} ({fd['metric']} = {_fmt(fd['value'])} > {_fmt(fd['tolerance'])})" if fd else "none"
+    lines.append(f"* first divergence: {where}")
     r = report["routing"]
     lines.append(f"* routing mismatches: {r['near_tie']} near-tie, {r['real']} real; comparisons ran with "
                  f"routing: {report['comparison_routing']}")

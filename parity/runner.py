@@ -50,7 +50,7 @@ from parity.checks import (
     first_divergence,
     selection_gap,
 )
-from parity.sides import JaxSide, TorchSide, to_numpy, init_weights, make_batches, setup_numerics, to_hf
+from parity.sides import JaxSide, TorchSide, init_weights, make_batches, setup_numerics, to_hf, to_numpy
 from parity.tolerances import DEFAULT_INIT_SCALE, SIZE_PROFILES, tolerances_for
 
 # jax (and torch, through parity.sides) is imported only inside functions: `import parity.runner`

@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
 DEFAULT_INIT_SCALE = 8.0
 REL_FLOOR = 1e-6
 

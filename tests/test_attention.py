@@ -69,7 +69,8 @@ def test_explicit_kernel_query_blocks_equal_one_block(monkeypatch, s_len, q_bloc
     for a, c in zip(gb, g1):
         assert _rel(a, c) <= 1e-6
     # the blocked form really is different work: fewer score entries than S x S
-    n_dots = lambda qb: str(jax.make_jaxpr(lambda q, k, v: attend(q, k, v, 0.25, "explicit"))(q, k, v)).count("dot_general")  # noqa: E731
+    def n_dots(qb):
+        return str(jax.make_jaxpr(lambda q, k, v: attend(q, k, v, 0.25, "explicit"))(q, k, v)).count("dot_general")
     monkeypatch.setattr(attention, "_Q_BLOCK", q_block)
     blocked = n_dots(q_block)
     expected = 2 * (s_len // q_block) if s_len % q_block == 0 else 2
@@ -85,7 +86,8 @@ def test_dot_product_kernel_bf16():
     assert _rel(out.astype(jnp.float32), ref) < 3e-2
 
 
-@pytest.mark.parametrize("preset", [pytest.param("tiny", marks=pytest.mark.slow), "tiny-mla"])  # CI time: MLA (padded v) is the harder case
+# CI time: MLA (padded v) is the harder case
+@pytest.mark.parametrize("preset", [pytest.param("tiny", marks=pytest.mark.slow), "tiny-mla"])
 def test_model_loss_and_grads_equal_across_kernels(preset):
     b, s = 2, 8
     tok = jax.random.randint(jax.random.key(0), (b, s + 1), 0, 256)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import experts as bench_experts  # noqa: E402
+import experts as bench_experts
 
 
 def test_ideal_loop_gradients_match_autodiff_of_batched_form():

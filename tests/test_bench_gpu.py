@@ -30,7 +30,8 @@ def test_gpu_bench_dry_run(tmp_path):
         assert name in r.stdout
     assert "reference" in by["fine/ragged_mgpu"]["kernels"] and "kernels" not in by["coarse/blocked"]
     kc = by["fine/ragged_mgpu"]["kernel_check"]  # reference kernels vs ragged_dot, bf16
-    assert kc["finite"] and kc["rows"] == 256 and max(kc[k] for k in kc if k.startswith("d_") or k == "output") < 3e-2, kc
+    errs = [kc[k] for k in kc if k.startswith("d_") or k == "output"]
+    assert kc["finite"] and kc["rows"] == 256 and max(errs) < 3e-2, kc
     assert "vs ragged_dot: max rel L2" in r.stdout
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxmoe.checkpoint import Checkpointer, load_model, save_model
 from jaxmoe.config import load_config

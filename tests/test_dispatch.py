@@ -17,8 +17,8 @@ import pytest
 from jaxmoe.config import load_config
 from jaxmoe.dispatch import make_dispatch, resolve_dispatcher
 from jaxmoe.errors import UserError
-from jaxmoe.model.experts import expert_ffn
 from jaxmoe.mesh import make_mesh, parse_mesh, resolve_mesh_shape
+from jaxmoe.model.experts import expert_ffn
 
 T, D, I, E, K = 128, 16, 8, 8, 2
 

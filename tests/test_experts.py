@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.schema import MoEConfig
 from jaxmoe.model.experts import capacity, expert_ffn, grouped_swiglu
+from jaxmoe.schema import MoEConfig
 
 PATHS = ("dense", "ragged", "blocked")
 T, D, I, E = 40, 16, 24, 8
@@ -195,5 +195,8 @@ def test_bf16_paths_run_and_roughly_agree():
     for p in PATHS:
         assert ys[p].dtype == jnp.bfloat16
         assert _rel(ys[p].astype(jnp.float32), ys["dense"].astype(jnp.float32)) < 2e-2
-    g = jax.jit(jax.grad(lambda wt: jnp.sum(expert_ffn(x, idx, w, wt, cfg, path="blocked")[0].astype(jnp.float32))))(weights)
+    def loss(wt):
+        return jnp.sum(expert_ffn(x, idx, w, wt, cfg, path="blocked")[0].astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss))(weights)
     assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(g))

@@ -129,8 +129,8 @@ _JAX_FNS: dict = {}
 
 def _jax(d):
     """(cfg, logits, routing record, [LB loss without mask, with PAD]) of jaxmoe on TOKENS, for
-    HF directory ``d`` (cached; one compiled forward + loss per config, shared by both layouts). The dense expert path (dropless at
-    capacity 0) compiles fastest; tests/test_experts.py holds the paths equal."""
+    HF directory ``d`` (cached; one compiled forward + loss per config, shared by both layouts).
+    The dense expert path (dropless at capacity 0) compiles fastest; tests/test_experts.py holds the paths equal."""
     if str(d) not in _JAX_RUNS:
         import jax
         import jax.numpy as jnp

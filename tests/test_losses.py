@@ -7,13 +7,13 @@ import numpy as np
 from jaxmoe.config import load_config
 from jaxmoe.losses import (
     compute_loss,
-    weigh_terms,
     cross_entropy,
     load_balance_loss,
     router_losses,
     router_z_loss,
     seq_aux_loss,
     update_expert_bias,
+    weigh_terms,
 )
 
 RNG = np.random.default_rng(0)

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
-from jaxmoe.schema import TrainConfig
 from jaxmoe.optim import (
     build_optimizer,
     clip_by_global_norm,
@@ -20,6 +19,7 @@ from jaxmoe.optim import (
     muon,
     param_labels,
 )
+from jaxmoe.schema import TrainConfig
 from jaxmoe.trees import key_path_str
 
 STEPS = 10
@@ -233,9 +233,10 @@ def test_muon_bf16_matches_torch(shape, adjust):
     # Why this tolerance: the momentum buffers depend only on the gradients, so the two runs
     # differ only through the Newton–Schulz outputs O, which are bf16 values in [-1, 1]. Where
     # XLA and torch's CPU gemm accumulate a bf16 matmul in a different order (XLA's order even
-    # differs between jit and eager), an entry of O can round to the neighbouring bf16 value: at most one ulp, 2^-8 for |O| <= 1. Each step moves a
-    # param by adjusted_lr * O, so after STEPS steps the params differ by at most
-    # STEPS * adjusted_lr * 2^-8 (decay factors < 1 only shrink it). Most entries agree exactly.
+    # differs between jit and eager), an entry of O can round to the neighbouring bf16 value: at
+    # most one ulp, 2^-8 for |O| <= 1. Each step moves a param by adjusted_lr * O, so after STEPS
+    # steps the params differ by at most STEPS * adjusted_lr * 2^-8 (decay factors < 1 only shrink
+    # it). Most entries agree exactly.
     n_in, n_out = shape[-2], shape[-1]
     ratio = math.sqrt(max(1, n_out / n_in)) if adjust == "original" else 0.2 * math.sqrt(max(shape[-2:]))
     atol = STEPS * lr * ratio * 2.0**-8

@@ -101,7 +101,8 @@ slow = pytest.mark.slow
 MEMORY_FAST = {("tiny-mla", "adamw", "full"), ("tiny", "muon", "none"), ("tiny", "adamw", "save_dots"),
                ("tiny", "adamw", "offload")}
 MEMORY_CASES = [pytest.param(p, o, r, marks=() if (p, o, r) in MEMORY_FAST else slow, id=f"{p}-{o}-{r}")
-                for p in ("tiny", "tiny-mla") for o in ("adamw", "muon") for r in ("none", "full", "save_dots", "offload")]
+                for p in ("tiny", "tiny-mla") for o in ("adamw", "muon")
+                for r in ("none", "full", "save_dots", "offload")]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hf_models import random_hf_model, same_tensors
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
@@ -21,7 +22,6 @@ from jaxmoe.port.convert import convert
 from jaxmoe.port.formats import parse_endpoint
 from jaxmoe.port.logits import compare_logits, compute_logits
 from jaxmoe.port.safetensors_io import SafetensorsReader, write_tensors
-from hf_models import random_hf_model, same_tensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

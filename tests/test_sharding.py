@@ -23,15 +23,14 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
 from jaxmoe.mesh import build_context, parse_mesh, resolve_mesh_shape
-from jaxmoe.sharding import AXES, declared_axes_flat, logical_axes, param_specs, spec_for
-from jax.sharding import PartitionSpec as P
+from jaxmoe.sharding import declared_axes_flat, logical_axes, param_specs, spec_for
 
 # --------------------------------------------------------------------------------------------
 # Mesh parsing and validation (no model needed)
@@ -339,7 +338,8 @@ def test_state_restore_targets_and_optimizer_specs(optimizer):
     "argv,match",
     [
         (["--mesh", "expert=3"], r"mesh expert=3: axes multiply to 3 but there are 8 devices"),
-        (["--mesh", "expert=4,fsdp=2", "--set", "moe.n_experts=6"], r"mesh axis expert=4 does not divide moe.n_experts=6"),
+        (["--mesh", "expert=4,fsdp=2", "--set", "moe.n_experts=6"],
+         r"mesh axis expert=4 does not divide moe.n_experts=6"),
         (["--mesh", "fsdp=8", "--set", "train.batch_size=4"], r"batch axes replica\*fsdp\*expert=8 do not divide"),
     ],
 )

@@ -164,7 +164,8 @@ def test_kill_during_async_save_then_resume(tmp_path):
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 900  # generous: a loaded 2-core machine compiles slowly (no timing asserted)
     while time.time() < deadline:
-        done = [p for p in (out / "checkpoints").glob("*") if p.name.isdigit()] if (out / "checkpoints").exists() else []
+        ckpts = out / "checkpoints"
+        done = [p for p in ckpts.glob("*") if p.name.isdigit()] if ckpts.exists() else []
         if len(done) >= 2:
             break
         assert proc.poll() is None, "the trainer exited before its second checkpoint"

@@ -24,7 +24,6 @@ from jaxmoe.config import Config, ConfigError
 from torch_ref.losses import loss_terms, update_expert_bias, valid_mask, weighted_total
 from torch_ref.transformer import TorchTransformer
 
-
 # --------------------------------------------------------------------------------------------
 # Learning-rate schedule
 # --------------------------------------------------------------------------------------------

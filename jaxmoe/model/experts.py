@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.schema import ModelConfig, MoEConfig
 from jaxmoe.model.blocked import blocked_path, blocked_swiglu_rows
 from jaxmoe.model.grouped_gemm import grouped_matmul
 from jaxmoe.model.params import ExpertLinear, builds, normal, stack_axes
 from jaxmoe.model.slots import capacity, combine, expert_counts, slot_positions
+from jaxmoe.schema import ModelConfig, MoEConfig
 
 # ---------------------------------------------------------------------------------------------
 # dense: capacity einsums

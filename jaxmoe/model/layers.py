@@ -1,5 +1,5 @@
-"""The numerical building blocks every module uses: RMSNorm, linear, SwiGLU, RoPE (half /
-interleaved, YaRN).
+"""The numerical building blocks every module uses: RMSNorm, linear, RoPE (half / interleaved,
+YaRN).
 
 Everything here is a pure function of arrays (parameters are passed in explicitly); the modules
 (:mod:`jaxmoe.model.params`, ``attention``, ``mlp``, ...) call them.

@@ -46,8 +46,7 @@ from jaxmoe.model.attention import make_attention
 from jaxmoe.model.layers import rope_tables
 from jaxmoe.model.mlp import SwiGLU
 from jaxmoe.model.moe import MoEBlock, no_routing
-from jaxmoe.model.params import (Buffer, Decl, Embedding, Linear, RMSNorm, builds, declarations, normal,
-                                 ones, stack_axes)
+from jaxmoe.model.params import Buffer, Decl, Embedding, Linear, RMSNorm, builds, declarations, normal, ones, stack_axes
 from jaxmoe.model.router import RouterOut
 from jaxmoe.trees import unflatten
 

@@ -32,7 +32,7 @@ from jaxmoe.archs import get_arch
 from jaxmoe.archs.base import GLOBAL_NAMES, LAYER_PREFIX, LAYOUTS
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
-from jaxmoe.trees import flatten, unflatten  # noqa: F401 (API: re-exported)
+from jaxmoe.trees import flatten, unflatten
 
 ZERO = ""  # Entry.key of HF-only tensors that must be zero (see Entry)
 
