@@ -48,10 +48,16 @@ class TitanConfig:
 
 
 def import_titan(module: str = "torchtitan"):
-    """``import module`` or one line naming the ``[titan]`` extra."""
-    from jaxmoe.extras import require
+    """``import module`` (a torchtitan module) or one line naming the ``[titan]`` extra, whichever
+    of its dependencies is missing (torchtitan itself, triton, tyro, spmd_types, torch)."""
+    from jaxmoe.extras import hint
 
-    return require(module, "torchtitan (--from-titan, --reference torchtitan)")
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing = getattr(e, "name", None) or module
+        raise UserError(hint("torchtitan", "torchtitan (--from-titan, --reference torchtitan)")
+                        + f" [import of {missing} failed]") from None
 
 
 def parse_name(spec: str) -> tuple[str, str]:
