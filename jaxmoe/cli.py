@@ -22,6 +22,7 @@ from jaxmoe.extras import EXTRA_OF, hint
 COMMANDS = {
     "train": ("jaxmoe.train", "train a model (default: tiny on the embedded corpus, on CPU)"),
     "count": (None, "analytic total / active parameter counts of a preset"),
+    "config": ("jaxmoe.config_cli", "print a resolved config as TOML (preset, file, --set, or --from-titan)"),
     "plan": ("jaxmoe.plan", "will a preset's train step fit a mesh? per-device memory, FLOPs, lowering"),
     "plot": ("jaxmoe.plot", "write PNG plots from a training run's metrics.jsonl"),
     "tokenizer": ("jaxmoe.data", "train a byte-level BPE tokenizer.json on text files"),
@@ -46,17 +47,31 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args):
+def config_from_args(args, notes=None):
+    """--preset / --config / --set, or ``--from-titan`` (where the command has it) + --set."""
+    spec = getattr(args, "from_titan", None)
+    if spec:
+        if args.preset or args.config:
+            raise UserError("--from-titan replaces --preset / --config: give one of them")
+        from jaxmoe.config_cli import titan_config
+
+        return titan_config(spec, args.overrides, notes)
     return load_config(preset=args.preset, path=args.config, overrides=args.overrides)
 
 
 def _count_add_args(p):
+    from jaxmoe.config_cli import add_from_titan
+
     add_config_args(p)
+    add_from_titan(p)
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _count_run(args) -> int:
-    cfg = config_from_args(args)
+    notes: list[str] = []
+    cfg = config_from_args(args, notes)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
     c = count_params(cfg)
     if args.json:
         print(json.dumps(c, indent=2))

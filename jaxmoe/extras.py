@@ -7,7 +7,9 @@ orbax-checkpoint, numpy, safetensors. Everything else is an extra of ``pyproject
   ``parity``, ``torch_ref``;
 * ``[text]`` tokenizers: ``--data text:`` and ``jaxmoe tokenizer``;
 * ``[plot]`` matplotlib: ``jaxmoe plot``;
-* ``[tb]``   tensorboardX: TensorBoard files (skipped with a note when absent).
+* ``[tb]``   tensorboardX: TensorBoard files (skipped with a note when absent);
+* ``[titan]`` torchtitan (+ what it needs to import on CPU): ``jaxmoe config --from-titan``,
+  ``python -m parity run --reference torchtitan``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ EXTRA_OF = {
     "tokenizers": "text",
     "matplotlib": "plot",
     "tensorboardX": "tb",
+    "torchtitan": "titan",
 }
 
 
@@ -32,6 +35,9 @@ def hint(module: str, what: str) -> str:
     """The one-line message for a missing optional ``module`` needed by ``what``."""
     top = module.split(".")[0]
     extra = EXTRA_OF.get(top, "ref")
+    if extra == "titan":  # torchtitan's declared dependencies are not needed (pyproject.toml)
+        return (f"{what} needs torchtitan, which is not installed: pip install 'jaxmoe[titan]' && "
+                f"pip install --no-deps torchtitan==0.3.0 (or pip install -e '.[titan]' in a checkout, then the same)")
     return (f"{what} needs {top}, which is not installed: pip install 'jaxmoe[{extra}]' "
             f"(or pip install -e '.[{extra}]' in a checkout)")
 

@@ -80,9 +80,16 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
                    help="replay one side's expert choices in the other (torch: jax replays torch's)")
     r.add_argument("--profile", choices=("fast", "full"), default="full",
                    help="run size: fast = 4x32 tokens, 2 steps; full = the preset's batch, 20 steps")
-    r.add_argument("--reference", choices=("torch_ref", "hf"), default="torch_ref",
-                   help="the other side: torch_ref (default) or hf (transformers' own model; --steps N "
-                        "trains it with torch AdamW, 0 compares one forward/backward)")
+    r.add_argument("--reference", choices=("torch_ref", "hf", "torchtitan"), default="torch_ref",
+                   help="the other side: torch_ref (default), hf (transformers' own model; --steps N "
+                        "trains it with torch AdamW, 0 compares one forward/backward) or torchtitan "
+                        "(torchtitan's model of --titan FAMILY/FLAVOR, one forward/backward: --steps 0)")
+    r.add_argument("--titan", default=None, metavar="FAMILY/FLAVOR",
+                   help="--reference torchtitan: the torchtitan flavor, e.g. deepseek_v3/debugmodel "
+                        "(the jaxmoe config is derived from it; --set may still change train.*)")
+    r.add_argument("--titan-set", dest="titan_overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="edit every layer's torchtitan config before both sides are built, e.g. "
+                        "--titan-set moe.router.score_func=sigmoid (repeatable)")
     r.add_argument("--init-scale", type=float, default=None, metavar="S",
                    help="multiply the init's weight matrices by S (default 8: logit std ~1.3, decisive "
                         "routing; 1 = the plain init)")
@@ -108,6 +115,11 @@ def _options(args, preset, overrides, extra, name=None):
         kw["init_scale"] = args.init_scale
     if getattr(args, "reference", None) and not getattr(args, "all", False):  # --all: the matrix says
         kw["reference"] = args.reference
+        if args.reference == "torchtitan":
+            from parity.titan_runner import TITAN_INIT_SCALE
+
+            kw.update(titan=args.titan, titan_overrides=list(args.titan_overrides))
+            kw.setdefault("init_scale", TITAN_INIT_SCALE)
     kw.update(extra)
     return RunOptions(**kw)
 

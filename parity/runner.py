@@ -77,7 +77,9 @@ class RunOptions:
     profile: str = "full"  # run size: "fast" | "full"
     name: str | None = None  # label in summaries
     randomize_bias: bool = True
-    reference: str = "torch_ref"  # "torch_ref" | "hf" (transformers; parity.hf_runner)
+    reference: str = "torch_ref"  # "torch_ref" | "hf" (transformers; parity.hf_runner) | "torchtitan"
+    titan: str | None = None  # --reference torchtitan: FAMILY/FLAVOR (parity.titan_runner)
+    titan_overrides: list = field(default_factory=list)  # --titan-set PATH=VALUE (torchtitan config)
     init_scale: float = DEFAULT_INIT_SCALE  # weight matrices x this (parity.sides.scale_init)
 
     @property
@@ -177,6 +179,12 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     """Run one parity comparison; returns the report dict (see module doc)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    if opts.reference == "torchtitan":  # the config comes from the flavor, not a preset
+        from parity.titan_runner import run_titan_suite  # late: imports torchtitan
+
+        if opts.steps is None and with_steps:
+            raise UserError("--reference torchtitan compares one forward/backward: pass --steps 0")
+        return run_titan_suite(opts, opts.steps or 0)
     if opts.mesh:
         _ensure_devices(mesh_devices(opts.mesh))
     cfg = build_config(opts)
@@ -186,7 +194,7 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
 
         return run_hf_suite(opts, cfg, n_steps)
     if opts.reference != "torch_ref":
-        raise UserError(f"--reference {opts.reference!r}: choose torch_ref or hf")
+        raise UserError(f"--reference {opts.reference!r}: choose torch_ref, hf or torchtitan")
     tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer, forced=opts.force_routing is not None)
     setup_numerics()
 

@@ -186,12 +186,15 @@ def _tree_np(tree):
 class JaxSide:
     """jaxmoe: jitted forward (with probes), gradients, train steps; optionally on a mesh."""
 
-    def __init__(self, cfg: Config, params, buffers, mesh_ctx=None):
+    def __init__(self, cfg: Config, params, buffers, mesh_ctx=None, namer=None):
         import jax  # late: jax (see the note on imports)
 
         from jaxmoe.model.transformer import Model
 
         self.cfg, self.ctx = cfg, mesh_ctx
+        # names gradients and parameters: to_hf (HF names) unless a reference names them its way
+        # (parity.titan_runner: jaxmoe.port.titan_map.to_titan, torchtitan's native names)
+        self.namer = to_hf if namer is None else namer
         self.model = Model(cfg) if mesh_ctx is None else mesh_ctx.model()
         self.params0, self.buffers0 = params, buffers
         if mesh_ctx is not None:
@@ -236,7 +239,7 @@ class JaxSide:
         jb = self.batch(batch if forced is None else with_forced_routing(batch, forced))
         with patch if patch is not None else contextlib.nullcontext():  # a fault's jax-side patch (traced here)
             grads, _, _ = jax.jit(make_grad_fn(self.model))(self.params, self.buffers, jb)
-        return to_hf(cfg, _tree_np(grads), with_buffers=False)
+        return self.namer(cfg, _tree_np(grads), with_buffers=False)
 
     def train(self, batches: list[dict]) -> dict:
         """N steps of ``make_train_step``; -> {"losses": [...], "params": HF dict, "bias": [Lm, E]}."""
@@ -262,7 +265,7 @@ class JaxSide:
 
     def _snapshot(self, state) -> dict:
         params, buffers = _tree_np(state["params"]), _tree_np(state["buffers"])
-        return {"params": to_hf(self.cfg, params, with_buffers=False),
+        return {"params": self.namer(self.cfg, params, with_buffers=False),
                 "bias": buffers.get("moe", {}).get("expert_bias")}
 
 

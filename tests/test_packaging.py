@@ -41,6 +41,9 @@ def test_core_dependencies_have_no_torch():
         assert name not in core, name
     ref = " ".join(meta["optional-dependencies"]["ref"])
     assert "torch==2.13.0" in ref and "transformers" in ref
+    titan = meta["optional-dependencies"]["titan"]  # pinned; torch via [ref], torchtitan --no-deps (.ci/run)
+    assert "jaxmoe[ref]" in titan and all("==" in d for d in titan if d != "jaxmoe[ref]")
+    assert "--no-deps \"torchtitan==0.3.0\"" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_wheel_holds_every_subpackage_and_preset(tmp_path):
@@ -79,6 +82,8 @@ def no_torch(monkeypatch):
     (["parity", "run", "--preset", "tiny"], "ref"),
     (["tokenizer", "--input", "SRC", "--vocab-size", "300", "--out", "tok.json"], "text"),
     (["plot", "RUN"], "plot"),
+    (["config", "--from-titan", "deepseek_v3/671B"], "titan"),
+    (["count", "--from-titan", "qwen3/30B-A3B"], "titan"),
 ])
 def test_optional_extra_missing_is_one_line(no_torch, tmp_path, capsys, monkeypatch, argv, extra):
     monkeypatch.chdir(tmp_path)

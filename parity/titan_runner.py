@@ -1,0 +1,128 @@
+"""``python -m parity run --reference torchtitan --titan FAMILY/FLAVOR``: jaxmoe against torchtitan.
+
+One run (:func:`run_titan_suite`), same structure and report as :func:`parity.runner.run_suite`:
+
+1. the jaxmoe config is derived from the torchtitan flavor (:func:`parity.titan_flavors.
+   config_from_titan`, after ``--titan-set`` edits of the torchtitan config), then the run size
+   (``--profile``) and ``--set`` overrides of the train section;
+2. weights built once by jaxmoe (:func:`parity.sides.init_weights`, ``--init-scale``; a sigmoid
+   flavor's expert bias randomised), given to torchtitan by its native names
+   (:func:`jaxmoe.port.titan_map.to_titan`);
+3. forward on both sides: routing sets per MoE layer (torchtitan selects with the bias, takes the
+   gate weights from the unbiased scores, limits groups), router logits, gate weights, counts,
+   logits and KL (torchtitan has no activation probes);
+4. the loss as torchtitan computes it (summed CE / global valid tokens; jaxmoe's ``ce`` with every
+   aux coefficient at 0, which is what the mapping sets);
+5. every gradient by torchtitan name (relative L2), from jaxmoe's training path
+   (``make_grad_fn``) and torchtitan's ``loss.backward()``.
+
+fp32 only for now (tolerance profile ``float32-adamw``); ``--steps`` must be 0: torchtitan's
+optimizer, schedule and bias hook on the jaxmoe side are issue 26's next item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from jaxmoe.config import config_from_dict, parse_override, validate
+from jaxmoe.errors import UserError
+from parity.checks import Checks, compare_forward, compare_losses, compare_named, compare_routing, first_divergence
+from parity.sides import JaxSide, decisiveness, init_weights, make_batches, setup_numerics, to_numpy
+from parity.tolerances import SIZE_PROFILES, tolerances_for
+
+# --init-scale of torchtitan runs. The debug flavors are wider than the tiny presets (MLA heads
+# of 192, 16 heads, 6 layers), and scale 8 makes attention so sharp that fp32 rounding is
+# amplified layer by layer: deepseek_v3/debugmodel, --profile fast, measured max logit error
+# relative to the logits' scale 1.25e-6 at scale 1, 1.30e-6 at 2, 7.5e-6 at 4, 2.1e-4 at 8
+# (worst gradient rel L2 2.5e-6, 2.8e-6, 1.7e-5, 1.1e-3), routing identical in all four.
+TITAN_INIT_SCALE = 2.0
+
+
+def titan_config(opts):
+    """(TitanConfig, jaxmoe Config sized for the run) from ``opts.titan`` / ``titan_overrides``."""
+    from parity.titan_flavors import config_from_titan
+
+    if not opts.titan:
+        raise UserError("--reference torchtitan needs --titan FAMILY/FLAVOR (e.g. deepseek_v3/debugmodel)")
+    tcfg = config_from_titan(opts.titan, opts.titan_overrides)
+    cfg = tcfg.config
+    data: dict = {}
+    for text in opts.overrides:
+        section, key, value = parse_override(text)
+        data.setdefault(section, {})[key] = value
+    cfg = config_from_dict(data, base=cfg)
+    given = {f"{s}.{k}" for s, d in data.items() for k in d}
+    size = SIZE_PROFILES[opts.profile]
+    t = cfg.train
+    for k in ("seq_len", "batch_size"):
+        if size[k] and f"train.{k}" not in given:
+            setattr(t, k, size[k])
+    t.batch_size = t.micro_batches * max(1, math.ceil(t.batch_size / t.micro_batches))
+    t.dtype, t.seed = opts.dtype, opts.seed
+    return tcfg, validate(cfg)
+
+
+def run_titan_suite(opts, n_steps: int) -> dict:
+    """Compare jaxmoe with torchtitan's own model of ``opts.titan`` (see the module doc)."""
+    from jaxmoe.port.titan_map import to_titan
+    from parity.titan_side import TitanSide
+
+    if opts.mesh or opts.force_routing:
+        raise UserError("--reference torchtitan runs on one device with natural routing: drop --mesh / --force-routing")
+    if opts.dtype != "float32":
+        raise UserError("--reference torchtitan: fp32 only for now (--dtype float32)")
+    if n_steps:
+        raise UserError("--reference torchtitan compares one forward/backward; pass --steps 0 "
+                        "(training parity with torchtitan's optimizer is not built yet)")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    tcfg, cfg = titan_config(opts)
+    tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer)
+    setup_numerics()
+    params, buffers = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
+    tensors = to_titan(cfg, params, buffers)
+    bias = to_numpy(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
+    batches = make_batches(cfg, 1, opts.seed)
+    ts = TitanSide(tcfg.titan, tensors, fp32_experts=True)
+    js = JaxSide(cfg, params, buffers, namer=to_titan)
+    timings["setup"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    jf = js.forward(batches[0])
+    timings["jax_forward"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tf = ts.forward(batches[0])
+    timings["torch_forward"] = time.perf_counter() - t
+    checks = Checks()
+    routing = compare_routing(cfg, jf["aux"], tf["aux"], bias, tol, checks)
+    layer_errors = compare_forward(cfg, jf, tf, tol, checks)
+    compare_losses(jf["losses"], tf["losses"], tol, checks, keys=("ce", "loss"))
+
+    t = time.perf_counter()
+    jg = js.grads(batches[0])
+    timings["jax_grads"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tg = ts.grads(batches[0])
+    timings["torch_grads"] = time.perf_counter() - t
+    grad_worst = compare_named("grad", jg, tg, tol.grad_rel_l2, checks, "backward")
+
+    items = checks.items
+    name = opts.name or f"titan-{opts.titan.replace('/', '-')}-{opts.dtype}"
+    report = {
+        "passed": all(c["passed"] for c in items), "name": name, "reference": "torchtitan",
+        "titan": opts.titan, "titan_overrides": list(opts.titan_overrides), "notes": tcfg.notes,
+        "first_divergence": first_divergence(items), "checks": items, "n_checks": len(items),
+        "n_failed": sum(not c["passed"] for c in items), "routing": routing,
+        "comparison_routing": "natural (torchtitan's router is not replayed)", "loss_curves": None,
+        "layer_errors": layer_errors, "grad_worst": sorted(grad_worst.items(), key=lambda kv: -kv[1])[:10],
+        "decisiveness": decisiveness(cfg, tf["logits"], tf["aux"]["router"]["scores"], bias),
+        "init_scale": opts.init_scale, "tolerances": tol.to_dict(), "options": dataclasses.asdict(opts), "steps": 0, "mesh": None,
+        "fault": None, "config": cfg.to_dict(), "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+    report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
+    return report
+
+
+__all__ = ["run_titan_suite", "titan_config"]
