@@ -13,7 +13,8 @@ import os
 import sys
 import threading
 
-from jaxmoe.config import ConfigError, list_presets, load_config
+from jaxmoe.config import ConfigError
+from jaxmoe.config_cli import add_config_args, add_from_titan, config_from_args
 from jaxmoe.counting import count_params, human
 from jaxmoe.errors import UserError
 from jaxmoe.extras import EXTRA_OF, hint
@@ -32,36 +33,7 @@ COMMANDS = {
 }
 
 
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    """The shared --preset / --config / --set flags."""
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", help=f"preset name ({', '.join(list_presets())})")
-    g.add_argument("--config", help="a config .toml (may start from `preset = NAME`)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable), e.g. --set moe.top_k=2",
-    )
-
-
-def config_from_args(args, notes=None):
-    """--preset / --config / --set, or ``--from-titan`` (where the command has it) + --set."""
-    spec = getattr(args, "from_titan", None)
-    if spec:
-        if args.preset or args.config:
-            raise UserError("--from-titan replaces --preset / --config: give one of them")
-        from jaxmoe.config_cli import titan_config
-
-        return titan_config(spec, args.overrides, notes)
-    return load_config(preset=args.preset, path=args.config, overrides=args.overrides)
-
-
 def _count_add_args(p):
-    from jaxmoe.config_cli import add_from_titan
-
     add_config_args(p)
     add_from_titan(p)
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -1,4 +1,5 @@
-"""``jaxmoe config``: print a resolved config as TOML (a preset, a file, ``--set`` overrides, or
+"""How a command gets its config (``--preset`` / ``--config`` / ``--set``, or ``--from-titan``), and
+``jaxmoe config``: print a resolved config as TOML (a preset, a file, ``--set`` overrides, or
 a torchtitan flavor with ``--from-titan FAMILY/FLAVOR``).
 
 ``--from-titan`` derives the config from torchtitan's own flavor definition
@@ -8,9 +9,10 @@ represent fails with one line naming the field; what it leaves out is printed as
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from jaxmoe.config import config_from_dict, config_to_toml, parse_override, validate
+from jaxmoe.config import config_from_dict, config_to_toml, list_presets, load_config, parse_override, validate
 from jaxmoe.errors import UserError
 
 
@@ -38,17 +40,38 @@ def titan_config(spec: str, overrides=(), notes=None):
     return validate(config_from_dict(data, base=tc.config))
 
 
-def add_args(p) -> None:
-    from jaxmoe.cli import add_config_args
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The shared --preset / --config / --set flags."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--preset", help=f"preset name ({', '.join(list_presets())})")
+    g.add_argument("--config", help="a config .toml (may start from `preset = NAME`)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable), e.g. --set moe.top_k=2",
+    )
 
+
+def config_from_args(args, notes=None):
+    """--preset / --config / --set, or ``--from-titan`` (where the command has it) + --set."""
+    spec = getattr(args, "from_titan", None)
+    if spec:
+        if args.preset or args.config:
+            raise UserError("--from-titan replaces --preset / --config: give one of them")
+        return titan_config(spec, args.overrides, notes)
+    return load_config(preset=args.preset, path=args.config, overrides=args.overrides)
+
+
+def add_args(p) -> None:
     add_config_args(p)
     add_from_titan(p)
     p.add_argument("--out", default=None, help="write the TOML here instead of stdout")
 
 
 def run(args) -> int:
-    from jaxmoe.cli import config_from_args
-
     notes: list[str] = []
     cfg = config_from_args(args, notes)
     for n in notes:
@@ -62,4 +85,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["add_args", "add_from_titan", "run", "titan_config"]
+__all__ = ["add_args", "add_config_args", "add_from_titan", "config_from_args", "run", "titan_config"]

@@ -354,7 +354,7 @@ def make_plan(cfg: Config, *, offload_optimizer=False, device_memory_gb=96.0, ho
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from jaxmoe.cli import add_config_args
+    from jaxmoe.config_cli import add_config_args
 
     add_config_args(p)
     p.add_argument("--mesh", required=True, help="mesh sizes, e.g. replica=4,fsdp=128,expert=3")

@@ -31,7 +31,7 @@ from jaxmoe.errors import UserError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from jaxmoe.cli import add_config_args
+    from jaxmoe.config_cli import add_config_args
 
     add_config_args(p)
     p.add_argument("--steps", type=int, help="total steps (overrides train.steps)")

@@ -118,7 +118,8 @@ def run_titan_suite(opts, n_steps: int) -> dict:
         "comparison_routing": "natural (torchtitan's router is not replayed)", "loss_curves": None,
         "layer_errors": layer_errors, "grad_worst": sorted(grad_worst.items(), key=lambda kv: -kv[1])[:10],
         "decisiveness": decisiveness(cfg, tf["logits"], tf["aux"]["router"]["scores"], bias),
-        "init_scale": opts.init_scale, "tolerances": tol.to_dict(), "options": dataclasses.asdict(opts), "steps": 0, "mesh": None,
+        "init_scale": opts.init_scale, "tolerances": tol.to_dict(), "options": dataclasses.asdict(opts),
+        "steps": 0, "mesh": None,
         "fault": None, "config": cfg.to_dict(), "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
     report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)

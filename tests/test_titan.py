@@ -24,7 +24,7 @@ def _titan_ok() -> bool:
     try:
         return importlib.util.find_spec("torchtitan") is not None and bool(
             __import__("torchtitan.models.deepseek_v3"))
-    except Exception:  # a missing dependency of torchtitan (triton, tyro, spmd_types, torch)
+    except Exception:  # noqa: BLE001 (a missing dependency of torchtitan: triton, tyro, spmd_types, torch)
         return False
 
 
@@ -113,14 +113,17 @@ def test_mapping_reads_the_flavor():
 
     c = config_from_titan("deepseek_v3/671B").config
     m, e = c.model, c.moe
-    assert (m.first_k_dense, m.q_lora_rank, m.rope_layout, m.rope_scaling, m.yarn_factor) == (3, 1536, "interleaved", "yarn", 40.0)
+    assert (m.first_k_dense, m.q_lora_rank, m.rope_layout, m.rope_scaling, m.yarn_factor) == (
+        3, 1536, "interleaved", "yarn", 40.0)
     assert m.rms_norm_eps == m.mla_norm_eps == 1e-5  # torchtitan: 1e-5 everywhere (HF: 1e-6 on q/kv norms)
     assert (e.score_func, e.n_groups, e.topk_groups, e.norm_topk_prob, e.route_scale) == ("sigmoid", 8, 4, True, 2.5)
     assert (e.use_expert_bias, e.bias_update_rate, e.n_shared_experts) == (True, 1e-3, 1)
     d = config_from_titan("deepseek_v3/debugmodel").config
-    assert (d.model.yarn_mscale, d.model.yarn_mscale_all_dim, d.moe.score_func, d.moe.use_expert_bias) == (0.7, 0.7, "softmax", False)
+    assert (d.model.yarn_mscale, d.model.yarn_mscale_all_dim, d.moe.score_func, d.moe.use_expert_bias) == (
+        0.7, 0.7, "softmax", False)
     q = config_from_titan("qwen3/30B-A3B").config
-    assert (q.model.attention, q.model.qk_norm, q.model.rope_layout, q.model.rms_norm_eps, q.model.n_kv_heads) == ("gqa", True, "half", 1e-6, 4)
+    assert (q.model.attention, q.model.qk_norm, q.model.rope_layout, q.model.rms_norm_eps, q.model.n_kv_heads) == (
+        "gqa", True, "half", 1e-6, 4)
     assert (q.moe.n_experts, q.moe.top_k, q.moe.norm_topk_prob, q.moe.n_shared_experts) == (128, 8, True, 0)
 
 
