@@ -183,8 +183,9 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         from parity.titan_runner import run_titan_suite  # late: imports torchtitan
 
         if opts.steps is None and with_steps:
-            raise UserError("--reference torchtitan compares one forward/backward: pass --steps 0")
-        return run_titan_suite(opts, opts.steps or 0)
+            raise UserError("--reference torchtitan: pass --steps N (0: one forward/backward; N: N training "
+                            "steps with torchtitan's optimizer, schedule and bias hook)")
+        return run_titan_suite(opts, (opts.steps or 0) if with_steps else 0)
     if opts.mesh:
         _ensure_devices(mesh_devices(opts.mesh))
     cfg = build_config(opts)
