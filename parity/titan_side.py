@@ -224,7 +224,7 @@ class TitanSide:
             min_lr_factor=tcfg.min_lr_ratio).build(optimizers=optimizers, training_steps=tcfg.steps)
         blocks = self.moe_blocks()
         if bias_hook:
-            register_moe_load_balancing_hook(optimizers, [model], _NoParallelism())
+            register_moe_load_balancing_hook(optimizers, [model], NoParallelism())
         for b in blocks:
             b.tokens_per_expert_E.zero_()
         losses, counts, first = [], [], None
@@ -256,7 +256,7 @@ class TitanSide:
         return {"params": {n: to_numpy(params[n].detach()).astype(np.float32) for n in self.names}, "bias": bias}
 
 
-class _NoParallelism:
+class NoParallelism:
     """What ``register_moe_load_balancing_hook`` reads of ``ParallelDims`` on one process: no
     meshes (``ParallelDims`` itself assumes CUDA when no accelerator is present)."""
 
@@ -268,4 +268,4 @@ class _NoParallelism:
         return None
 
 
-__all__ = ["IGNORE_INDEX", "TitanSide", "build_titan_model"]
+__all__ = ["IGNORE_INDEX", "NoParallelism", "TitanSide", "build_titan_model"]

@@ -283,7 +283,7 @@ def test_bias_update_equals_torchtitans_hook(rule):
     from torchtitan.components.optimizer import OptimizersContainer, default_adamw, register_moe_load_balancing_hook
 
     from jaxmoe.losses import update_expert_bias
-    from parity.titan_side import _NoParallelism, build_titan_model
+    from parity.titan_side import NoParallelism, build_titan_model
 
     tcfg = _sigmoid_titan_config()
     cfg = tcfg.config
@@ -302,7 +302,7 @@ def test_bias_update_equals_torchtitans_hook(rule):
     opt_cfg = default_adamw()
     opt_cfg.implementation = "for-loop"
     opt = OptimizersContainer(opt_cfg, model_parts=[model])
-    register_moe_load_balancing_hook(opt, [model], _NoParallelism())
+    register_moe_load_balancing_hook(opt, [model], NoParallelism())
     opt.step()  # no gradients: AdamW leaves the weights; the pre-hook moves the biases
     titan = np.stack([b.expert_bias_E.numpy() for b in blocks])
     assert all(float(b.tokens_per_expert_E.abs().sum()) == 0 for b in blocks)  # counts reset each step
