@@ -22,6 +22,7 @@ import torch
 
 from jaxmoe.config import Config, ConfigError
 from torch_ref.losses import loss_terms, update_expert_bias, valid_mask, weighted_total
+from torch_ref.muon import Muon as RefMuon
 from torch_ref.transformer import TorchTransformer
 
 # --------------------------------------------------------------------------------------------
@@ -145,12 +146,13 @@ def make_optimizer(model: TorchTransformer, cfg: Config) -> Optimizer:
         g["base_lr"] = t.lr
     optimizers = [adamw]
     if muon:
-        if t.muon_ns_dtype != "bfloat16":
-            raise ConfigError(
-                f"train.muon_ns_dtype={t.muon_ns_dtype!r}: torch_ref uses torch.optim.Muon, whose "
-                "Newton-Schulz runs in bfloat16; set train.muon_ns_dtype=bfloat16"
-            )
-        opt = torch.optim.Muon(
+        # bfloat16 NS: the stock torch.optim.Muon; float32 NS: torch_ref.muon.Muon, the same
+        # algorithm with Newton-Schulz in fp32 (torch.optim.Muon's is bf16 unconditionally)
+        if t.muon_ns_dtype == "bfloat16":
+            cls, extra = torch.optim.Muon, {}
+        else:
+            cls, extra = RefMuon, {"ns_dtype": getattr(torch, t.muon_ns_dtype)}
+        opt = cls(
             muon,
             lr=t.muon_lr,
             weight_decay=t.muon_weight_decay,
@@ -160,6 +162,7 @@ def make_optimizer(model: TorchTransformer, cfg: Config) -> Optimizer:
             eps=t.muon_eps,
             ns_steps=t.muon_ns_steps,
             adjust_lr_fn=None if t.muon_adjust_lr == "none" else t.muon_adjust_lr,
+            **extra,
         )
         for g in opt.param_groups:
             g["base_lr"] = t.muon_lr
