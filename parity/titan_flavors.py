@@ -272,6 +272,8 @@ def _map_moe(moes, e, name: str, notes: list[str]) -> None:
             for w in ("w1", "w2", "w3"):
                 _no_bias(getattr(s, w), f"moe.shared_experts.{w}")
     coeff = _one((x.load_balance_coeff for x in moes), "moe.load_balance_coeff")
+    if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float))):
+        raise UserError(f"{name}: moe.load_balance_coeff={coeff!r}: a number or null (--titan-set takes JSON)")
     if coeff is None:
         e.use_expert_bias = False
     elif e.score_func == "sigmoid":
