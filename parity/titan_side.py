@@ -206,13 +206,12 @@ class TitanSide:
         )
         from torchtitan.distributed import utils as dist_utils
 
-        if tcfg.optimizer != "adamw" or tcfg.schedule != "titan_wsd":
-            raise UserError("--reference torchtitan --steps N: torchtitan's trainer runs AdamW with its "
-                            f"warmup-stable-decay (train.optimizer=adamw, train.schedule=titan_wsd), not "
-                            f"optimizer={tcfg.optimizer!r} schedule={tcfg.schedule!r}")
-        if not (tcfg.decay_norms and tcfg.decay_embeddings):
-            raise UserError("--reference torchtitan --steps N: torchtitan decays every parameter; jaxmoe "
-                            "must too (train.decay_norms=true, train.decay_embeddings=true)")
+        if tcfg.optimizer != "adamw":
+            raise UserError("--reference torchtitan --steps N: the torchtitan side runs torchtitan's AdamW "
+                            f"(train.optimizer=adamw), not {tcfg.optimizer!r} (its Muon needs a device mesh)")
+        # torchtitan's own rules whatever jaxmoe's options say (decay on every parameter, its
+        # warmup-stable-decay from the titan_* fields, its bias rule): a jaxmoe option set otherwise
+        # (train.decay_norms=false, train.schedule=wsd, moe.bias_update_rule=sign) shows as a divergence
         self._attach(self._build())  # fresh weights: the forward/grad checks must not leak in
         model = self.model
         opt_cfg = default_adamw(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps,
