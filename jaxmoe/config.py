@@ -240,8 +240,8 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
     if not 0 <= t.beta1 < 1 or not 0 <= t.beta2 < 1 or not 0 <= t.muon_momentum < 1:
         raise ConfigError("train.beta1, train.beta2 and train.muon_momentum must be in [0, 1)")
-    if not 0 <= t.min_lr_ratio <= 1 or not 0 <= t.wsd_decay_frac <= 1:
-        raise ConfigError("train.min_lr_ratio and train.wsd_decay_frac must be in [0, 1]")
+    if not 0 <= t.min_lr_ratio <= 1 or not 0 <= t.wsd_decay_frac <= 1 or not 0 <= t.titan_decay_ratio <= 1:
+        raise ConfigError("train.min_lr_ratio, train.wsd_decay_frac and train.titan_decay_ratio must be in [0, 1]")
     if m.first_k_dense > m.n_layers:
         raise ConfigError(
             f"model.first_k_dense={m.first_k_dense} exceeds model.n_layers={m.n_layers}"

@@ -202,15 +202,21 @@ def router_z_loss(logits):
     return jnp.mean(lse * lse)
 
 
-def update_expert_bias(bias, counts, rate):
+def update_expert_bias(bias, counts, rate, rule: str = "sign_centred"):
     """``delta = rate * sign(mean(c) - c)``, ``delta -= mean(delta)``, ``bias + delta``.
 
     Works on ``[E]`` or stacked ``[Lm, E]`` (means over the expert axis). ``counts`` are the
-    assignments per expert summed over the whole step.
+    assignments per expert summed over the whole step. ``rule`` (``moe.bias_update_rule``):
+    "sign_centred" as above (torchtitan's optimizer pre-hook computes the same numbers: it runs
+    before the parameter update but the bias takes no gradient, so before/after is the same);
+    "sign" leaves out the centring (the rule as arXiv 2408.15664 writes it).
     """
+    if rule not in ("sign_centred", "sign"):
+        raise ValueError(f"moe.bias_update_rule={rule!r} is not one of sign_centred, sign")
     c = counts.astype(jnp.float32)
     delta = rate * jnp.sign(jnp.mean(c, axis=-1, keepdims=True) - c)
-    delta = delta - jnp.mean(delta, axis=-1, keepdims=True)
+    if rule == "sign_centred":
+        delta = delta - jnp.mean(delta, axis=-1, keepdims=True)
     return (bias + delta).astype(bias.dtype)
 
 

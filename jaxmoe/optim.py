@@ -60,8 +60,14 @@ def lr_schedule(tcfg: TrainConfig, base_lr: float) -> Callable[[Any], jax.Array]
           constant:          lr = base_lr
 
     So every decaying schedule reaches ``lo`` exactly at ``step = N - 1`` (and stays there after).
+
+    ``titan_wsd`` is torchtitan 0.3.0's ``LRSchedulersContainer`` rule (see :func:`titan_wsd_factor`),
+    a different schedule from ``wsd`` (kept both: jaxmoe's ``wsd`` ends at ``lo`` on the last step,
+    torchtitan's one virtual step later; its decay length rounds, jaxmoe's floors).
     ``step`` may be a Python int or a traced integer array; the result is a float32 array.
     """
+    if tcfg.schedule == "titan_wsd":
+        return _titan_wsd(tcfg, base_lr)
     warmup = int(tcfg.warmup_steps)
     n = int(tcfg.steps)
     base = float(base_lr)
@@ -87,6 +93,55 @@ def lr_schedule(tcfg: TrainConfig, base_lr: float) -> Callable[[Any], jax.Array]
         if warmup > 0:
             return jnp.where(step < warmup, base * (step + 1.0) / warmup, after)
         return after
+
+    return schedule
+
+
+def titan_wsd_plan(tcfg: TrainConfig) -> tuple[int, int, int]:
+    """``(warmup, stable, decay)`` step counts of torchtitan's warmup-stable-decay for
+    ``N = tcfg.steps`` (its ``training_steps``): warmup ``min(warmup_steps, N)``; decay
+    ``round(N * titan_decay_ratio)`` (Python's round), cut to ``N - warmup``; stable
+    ``N + 1 - warmup - decay`` (torchtitan's "virtual last step", so the lr never reaches 0)."""
+    n = int(tcfg.steps)
+    warmup = min(int(tcfg.warmup_steps), n)
+    decay = round(n * float(tcfg.titan_decay_ratio))
+    if warmup + decay > n:
+        decay = n - warmup
+    return warmup, n + 1 - warmup - decay, decay
+
+
+def _titan_wsd(tcfg: TrainConfig, base_lr: float) -> Callable[[Any], jax.Array]:
+    """torchtitan 0.3.0 ``LRSchedulersContainer`` (``linear_warmup_stable_decay``), as a jnp
+    function of the 0-based update index ``s`` (``LambdaLR``'s ``last_epoch`` when its optimizer
+    makes update ``s``); with ``(W, S, D) = titan_wsd_plan(tcfg)`` and ``r = min_lr_ratio``
+    (torchtitan's ``min_lr_factor``)::
+
+        s < W:          factor = (s + 1) / W
+        s < W + S:      factor = 1
+        otherwise:      p = (s + 1 - W - S) / D,  factor = r + (1 - r) * f(p)
+                        f = 1 - p (linear) | 1 - sqrt(p) (sqrt) | (1 + cos(pi p)) / 2 (cosine)
+
+    lr = base_lr * factor. Past ``N`` steps (torchtitan never gets there) ``p`` is held at 1."""
+    warmup, stable, decay = titan_wsd_plan(tcfg)
+    r = float(tcfg.min_lr_ratio)
+    kind = tcfg.titan_decay_type
+    if kind not in ("linear", "sqrt", "cosine"):
+        raise ValueError(f"train.titan_decay_type={kind!r} is not one of linear, sqrt, cosine")
+    base = float(base_lr)
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32)
+        p = jnp.clip((s + 1.0 - warmup - stable) / max(decay, 1), 0.0, 1.0)
+        if kind == "linear":
+            adj = 1.0 - p
+        elif kind == "sqrt":
+            adj = 1.0 - jnp.sqrt(p)
+        else:
+            adj = 0.5 * (1.0 + jnp.cos(jnp.pi * p))
+        factor = jnp.where(s < warmup + stable, 1.0, r + (1.0 - r) * adj)
+        if warmup > 0:
+            factor = jnp.where(s < warmup, (s + 1.0) / warmup, factor)
+        return base * factor
 
     return schedule
 
@@ -386,5 +441,6 @@ __all__ = [
     "decay_mask",
     "lr_schedule",
     "muon",
+    "titan_wsd_plan",
     "param_labels",
 ]

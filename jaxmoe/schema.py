@@ -98,6 +98,10 @@ class MoEConfig:
     topk_groups: int = 1  # groups kept (DeepSeek-V3: 4); group score = sum of its top-2 scores
     use_expert_bias: bool = False  # aux-loss-free balancing bias, used only for selection
     bias_update_rate: float = 1e-3  # sign-rule update rate of the expert bias
+    # the expert-bias update after each step, on the step's counts n (jaxmoe.losses.update_expert_bias):
+    # "sign_centred": delta = rate * sign(mean(n) - n), delta -= mean(delta) (jaxmoe's rule, and
+    # torchtitan's optimizer pre-hook); "sign": without the centring (arXiv 2408.15664 as written)
+    bias_update_rule: Literal["sign_centred", "sign"] = "sign_centred"
     # Aux losses (coefficients; 0 disables)
     lb_coef: float = 0.0  # global-batch load-balance loss, Switch form: E * sum_e f_e * P_e
     # "layer": the Switch loss of each MoE layer, summed over layers (balanced value = n MoE
@@ -146,14 +150,20 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
-    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    wsd_decay_frac: float = 0.2
+    # cosine | linear | wsd | constant: jaxmoe's schedules (warmup, then decay reaching lr *
+    # min_lr_ratio at the last step); titan_wsd: torchtitan 0.3.0's warmup-stable-decay
+    # (LRSchedulersContainer: decay over round(steps * titan_decay_ratio) steps ending one virtual
+    # step after the last, min_lr_ratio = its min_lr_factor); see jaxmoe.optim.lr_schedule
+    schedule: Literal["cosine", "linear", "wsd", "constant", "titan_wsd"] = "cosine"
+    wsd_decay_frac: float = 0.2  # wsd: decay over the last floor(frac * steps) steps
+    titan_decay_ratio: float = 1.0  # titan_wsd: torchtitan's decay_ratio (1.0 = its None: decay after warmup)
+    titan_decay_type: Literal["linear", "sqrt", "cosine"] = "linear"  # titan_wsd: torchtitan's decay_type
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    decay_norms: bool = False
-    decay_embeddings: bool = False
+    decay_norms: bool = False  # AdamW decay on norms/vectors too (torchtitan: on, it decays all)
+    decay_embeddings: bool = False  # AdamW decay on the embedding too (torchtitan: on)
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     # Muon (matrices, including stacked expert weights per expert); AdamW for the rest
     muon_lr: float = 0.02

@@ -119,7 +119,7 @@ def make_train_step(model: Model, tx, *, donate: bool = True):
         new_buffers = buffers
         if use_bias:
             bias = buffers["moe"]["expert_bias"]
-            new_bias = update_expert_bias(bias, counts, cfg.moe.bias_update_rate)
+            new_bias = update_expert_bias(bias, counts, cfg.moe.bias_update_rate, cfg.moe.bias_update_rule)
             new_buffers = {**buffers, "moe": {**buffers["moe"], "expert_bias": new_bias}}
 
         def keep(new, old):

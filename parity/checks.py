@@ -265,10 +265,17 @@ def _flips(cfg: Config, jt: dict, tt: dict) -> list[tuple[int, int, int]]:
 
 
 def _flipped_names(cfg: Config, names, flips) -> set[str]:
-    """HF names of the experts whose counts differed and of the routers of their layers."""
+    """HF names of the experts whose counts differed and of the routers of their layers; with
+    torchtitan names (``layers.N.``, no ``model.`` prefix) the layer's stacked expert tensors
+    (``moe.routed_experts.*``, all experts in one) and its router."""
     m = cfg.model
-    arch = get_arch(m.hf_arch).names("per-expert")
     pre = set()
+    if any(n.startswith("layers.") for n in names):
+        for _, j, _ex in flips:
+            layer = f"layers.{m.first_k_dense + j}.moe."
+            pre |= {layer + "routed_experts.", layer + "router."}
+        return {n for n in names if any(n.startswith(p) for p in pre)}
+    arch = get_arch(m.hf_arch).names("per-expert")
     for _, j, ex in flips:
         layer = f"model.layers.{m.first_k_dense + j}."
         pre.add(layer + arch["experts/gate_proj"].split("{e}")[0] + f"{ex}.")

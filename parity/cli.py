@@ -83,7 +83,8 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
     r.add_argument("--reference", choices=("torch_ref", "hf", "torchtitan"), default="torch_ref",
                    help="the other side: torch_ref (default), hf (transformers' own model; --steps N "
                         "trains it with torch AdamW, 0 compares one forward/backward) or torchtitan "
-                        "(torchtitan's model of --titan FAMILY/FLAVOR, one forward/backward: --steps 0)")
+                        "(torchtitan's model of --titan FAMILY/FLAVOR; --steps 0 compares one forward/"
+                        "backward, N trains both with torchtitan's AdamW, schedule and bias hook)")
     r.add_argument("--titan", default=None, metavar="FAMILY/FLAVOR",
                    help="--reference torchtitan: the torchtitan flavor, e.g. deepseek_v3/debugmodel "
                         "(the jaxmoe config is derived from it; --set may still change train.*)")

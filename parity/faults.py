@@ -75,6 +75,10 @@ class Fault:
     mesh: str | None = None  # RunOptions.mesh (stage "mesh")
     jax_patcher: Callable | None = None  # () -> context manager active while jax traces
     jax_forward: bool = False  # does jax_patcher change the forward? (else the forward is shared)
+    # --reference torchtitan: the flavor and its --titan-set edits; the fault is then on the jaxmoe
+    # side (``overrides``: a jaxmoe option away from torchtitan's rule), torchtitan runs unchanged
+    titan: str | None = None
+    titan_overrides: tuple = ()
 
     @property
     def jax_key(self):
@@ -186,6 +190,31 @@ def default_faults() -> list[Fault]:
         Fault("dispatch-slot-swap", "tiny-mla", list(MESH_OVERRIDES), ("moe_out[1]",),
               "jaxmoe all_to_all dispatch: two tokens' slots of one expert swapped", stage="mesh", mesh=MESH,
               jax_patcher=hooks.slot_swap, jax_forward=True),
+    ] + titan_faults()
+
+
+# deepseek_v3/debugmodel with torchtitan's router in DeepSeek-V3 mode (sigmoid, groups, the bias hook)
+TITAN = "deepseek_v3/debugmodel"
+TITAN_SIGMOID = ("moe.router.score_func=sigmoid", "moe.router.num_expert_groups=4",
+                 "moe.router.num_limited_groups=2", "moe.router.route_norm=true", "moe.router.route_scale=2.5")
+
+
+def titan_faults() -> list[Fault]:
+    """Faults localised against torchtitan's own trainer pieces (one step of
+    ``--reference torchtitan``): jaxmoe set away from torchtitan's rule. Only when torchtitan
+    imports (the ``[titan]`` extra); otherwise the self-test runs without them."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is None:
+        return []
+    kw = dict(stage="steps", titan=TITAN, titan_overrides=TITAN_SIGMOID)
+    return [
+        Fault("baseline (torchtitan)", "", [], (), "no fault", **kw),
+        Fault("titan: bias-not-centred", "", ["moe.bias_update_rule=sign"], ("expert_bias[1]",),
+              "jaxmoe expert-bias update without mean-centring against torchtitan's pre-hook", **kw),
+        Fault("titan: no-decay-on-norms", "", ["train.decay_norms=false"],
+              ("update[1]:layers.0.attention_norm.weight",),
+              "jaxmoe AdamW without decay on norm scales against torchtitan's decay on all", **kw),
     ]
 
 
@@ -205,11 +234,19 @@ def name_matches(name: str | None, expected: tuple) -> bool:
 def run_fault(f: Fault, profile: str, seed: int, init_scale: float, cache: dict) -> dict:
     """One fault (or baseline) in this process -> its self-test row."""
     grads, steps = STAGES[f.stage]
-    opts = RunOptions(preset=f.preset, overrides=list(f.overrides), profile=profile, seed=seed, steps=steps,
-                      name=f.name, init_scale=init_scale, optimizer=f.optimizer, mesh=f.mesh)
     t0 = time.perf_counter()
-    rep = run_suite(opts, fault=None if not f.expected else f, jax_cache=cache, with_grads=grads,
-                    with_steps=steps > 0, log=None)
+    if f.titan:
+        from parity.titan_runner import TITAN_INIT_SCALE  # late: the torchtitan side is optional
+
+        opts = RunOptions(reference="torchtitan", titan=f.titan, titan_overrides=list(f.titan_overrides),
+                          overrides=list(f.overrides), profile=profile, seed=seed, steps=steps, name=f.name,
+                          init_scale=TITAN_INIT_SCALE)
+        rep = run_suite(opts, with_steps=steps > 0, log=None)
+    else:
+        opts = RunOptions(preset=f.preset, overrides=list(f.overrides), profile=profile, seed=seed, steps=steps,
+                          name=f.name, init_scale=init_scale, optimizer=f.optimizer, mesh=f.mesh)
+        rep = run_suite(opts, fault=None if not f.expected else f, jax_cache=cache, with_grads=grads,
+                        with_steps=steps > 0, log=None)
     fd = rep["first_divergence"]
     got = fd["name"] if fd else None
     if f.expected:
@@ -290,4 +327,4 @@ if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
 
 
-__all__ = ["Fault", "default_faults", "run_fault", "selftest"]
+__all__ = ["Fault", "default_faults", "run_fault", "selftest", "titan_faults"]

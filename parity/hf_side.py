@@ -239,7 +239,8 @@ class HFSide:
             if e.use_expert_bias:
                 with torch.no_grad():
                     for bias, cj in zip(biases, c):
-                        bias.copy_(update_expert_bias(bias, torch.from_numpy(cj), e.bias_update_rate))
+                        bias.copy_(update_expert_bias(bias, torch.from_numpy(cj), e.bias_update_rate,
+                                                      e.bias_update_rule))
             if i == 0:
                 first = self._snapshot(biases)
         return {"losses": losses, **self._snapshot(biases), "counts": counts, "params1": first["params"],

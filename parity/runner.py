@@ -125,6 +125,10 @@ def build_config(opts: RunOptions) -> Config:
     t.dtype = opts.dtype
     if opts.optimizer:
         t.optimizer = opts.optimizer
+    if t.optimizer == "muon" and "train.muon_ns_dtype" not in given:
+        # fp32 Newton-Schulz on both sides (torch_ref.muon) unless --set train.muon_ns_dtype=bfloat16
+        # asks for torch.optim.Muon's bf16 NS (its own tolerance profile: parity.tolerances)
+        t.muon_ns_dtype = "float32"
     t.seed = opts.seed
     steps = size["steps"] if opts.steps is None else opts.steps
     if steps < 0:
@@ -183,8 +187,9 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         from parity.titan_runner import run_titan_suite  # late: imports torchtitan
 
         if opts.steps is None and with_steps:
-            raise UserError("--reference torchtitan compares one forward/backward: pass --steps 0")
-        return run_titan_suite(opts, opts.steps or 0)
+            raise UserError("--reference torchtitan: pass --steps N (0: one forward/backward; N: N training "
+                            "steps with torchtitan's optimizer, schedule and bias hook)")
+        return run_titan_suite(opts, (opts.steps or 0) if with_steps else 0)
     if opts.mesh:
         _ensure_devices(mesh_devices(opts.mesh))
     cfg = build_config(opts)
@@ -195,7 +200,8 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         return run_hf_suite(opts, cfg, n_steps)
     if opts.reference != "torch_ref":
         raise UserError(f"--reference {opts.reference!r}: choose torch_ref, hf or torchtitan")
-    tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer, forced=opts.force_routing is not None)
+    tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer, forced=opts.force_routing is not None,
+                         ns_dtype=cfg.train.muon_ns_dtype)
     setup_numerics()
 
     ctx = None

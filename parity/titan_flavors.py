@@ -174,6 +174,7 @@ def config_from_titan(spec: str, overrides=()) -> TitanConfig:
     _map_moe([layer.moe for layer in tc.layers[m.first_k_dense:]], e, name, notes)
     cfg.train.seq_len = min(cfg.train.seq_len, m.max_seq_len)
     cfg.train.z_loss_coef = 0.0  # torchtitan's loss: summed CE / global valid tokens, nothing else
+    map_titan_training(cfg.train)
     validate(cfg)
     return TitanConfig(name, cfg, tc, notes)
 
@@ -271,6 +272,8 @@ def _map_moe(moes, e, name: str, notes: list[str]) -> None:
             for w in ("w1", "w2", "w3"):
                 _no_bias(getattr(s, w), f"moe.shared_experts.{w}")
     coeff = _one((x.load_balance_coeff for x in moes), "moe.load_balance_coeff")
+    if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float))):
+        raise UserError(f"{name}: moe.load_balance_coeff={coeff!r}: a number or null (--titan-set takes JSON)")
     if coeff is None:
         e.use_expert_bias = False
     elif e.score_func == "sigmoid":
@@ -281,6 +284,42 @@ def _map_moe(moes, e, name: str, notes: list[str]) -> None:
                      "jaxmoe's aux-loss-free bias is sigmoid-only; zero at init, so forward and gradients agree")
     # torchtitan's losses: summed CE / global valid tokens, no aux losses by default
     e.lb_coef = e.seq_aux_coef = e.router_z_coef = 0.0
+
+
+def titan_training_defaults() -> dict:
+    """torchtitan 0.3.0's training defaults, read from its own objects: ``default_adamw()``'s
+    param group (lr, betas, eps, weight decay on every parameter: one catch-all ``.*`` group),
+    ``LRSchedulersContainer.Config()`` (warmup, decay_ratio, decay_type, min_lr_factor) and
+    ``TrainingConfig().max_norm`` (gradient clipping)."""
+    import_titan("torchtitan.components.optimizer")
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.config import TrainingConfig
+
+    groups = default_adamw().param_groups
+    if len(groups) != 1 or groups[0].pattern != r".*" or groups[0].optimizer_name != "AdamW":
+        raise UserError("torchtitan's default_adamw() is no longer one AdamW group over every parameter")
+    kw = groups[0].optimizer_kwargs
+    sched = LRSchedulersContainer.Config()
+    return {"lr": float(kw["lr"]), "betas": tuple(kw["betas"]), "eps": float(kw["eps"]),
+            "weight_decay": float(kw["weight_decay"]), "warmup_steps": int(sched.warmup_steps),
+            "decay_ratio": sched.decay_ratio, "decay_type": sched.decay_type,
+            "min_lr_factor": float(sched.min_lr_factor), "max_norm": float(TrainingConfig().max_norm)}
+
+
+def map_titan_training(t) -> None:
+    """Set jaxmoe's train section (``t``) to torchtitan's defaults (:func:`titan_training_defaults`):
+    AdamW with decay on all parameters (``decay_norms`` / ``decay_embeddings`` on), gradient
+    clipping, the ``titan_wsd`` schedule (``decay_ratio`` None = 1.0: decay from the end of
+    warmup). The expert-bias rule is ``sign_centred`` (the default), torchtitan's pre-hook."""
+    d = titan_training_defaults()
+    t.optimizer, t.lr = "adamw", d["lr"]
+    t.beta1, t.beta2 = d["betas"]
+    t.eps, t.weight_decay = d["eps"], d["weight_decay"]
+    t.decay_norms = t.decay_embeddings = True
+    t.grad_clip = d["max_norm"]
+    t.schedule, t.warmup_steps = "titan_wsd", d["warmup_steps"]
+    t.titan_decay_ratio = 1.0 if d["decay_ratio"] is None else float(d["decay_ratio"])
+    t.titan_decay_type, t.min_lr_ratio = d["decay_type"], d["min_lr_factor"]
 
 
 def titan_param_count(spec: str) -> int:
@@ -294,5 +333,5 @@ def titan_param_count(spec: str) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("vision_encoder."))
 
 
-__all__ = ["FAMILIES", "TitanConfig", "config_from_titan", "apply_overrides", "flavors", "import_titan", "parse_name",
-           "titan_model_config", "titan_param_count"]
+__all__ = ["FAMILIES", "TitanConfig", "config_from_titan", "apply_overrides", "flavors", "import_titan",
+           "map_titan_training", "parse_name", "titan_model_config", "titan_param_count", "titan_training_defaults"]

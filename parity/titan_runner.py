@@ -14,10 +14,19 @@ One run (:func:`run_titan_suite`), same structure and report as :func:`parity.ru
 4. the loss as torchtitan computes it (summed CE / global valid tokens; jaxmoe's ``ce`` with every
    aux coefficient at 0, which is what the mapping sets);
 5. every gradient by torchtitan name (relative L2), from jaxmoe's training path
-   (``make_grad_fn``) and torchtitan's ``loss.backward()``.
+   (``make_grad_fn``) and torchtitan's ``loss.backward()``;
+6. with ``--steps N``: N training steps on both sides from the same weights and batches --
+   jaxmoe's ``make_train_step`` with the train section :func:`parity.titan_flavors.
+   map_titan_training` set (AdamW decaying every parameter, clipping, ``titan_wsd``, the
+   ``sign_centred`` bias rule; ``train.steps`` = N unless ``--set train.steps=`` says otherwise,
+   as it is the schedule's length on both sides), torchtitan's ``OptimizersContainer`` /
+   ``LRSchedulersContainer`` / MoE bias pre-hook (:meth:`parity.titan_side.TitanSide.train`) --
+   compared by :func:`parity.checks.compare_steps`: the losses, every parameter after update 1
+   and after N, the expert biases.
 
-fp32 only for now (tolerance profile ``float32-adamw``); ``--steps`` must be 0: torchtitan's
-optimizer, schedule and bias hook on the jaxmoe side are issue 26's next item.
+fp32 only for now (tolerance profile ``float32-adamw``). A flavor whose torchtitan expert bias
+jaxmoe does not map (softmax scores, e.g. qwen3) trains with torchtitan's bias hook off (noted in
+the report): jaxmoe's bias is sigmoid-only.
 """
 
 from __future__ import annotations
@@ -28,7 +37,15 @@ import time
 
 from jaxmoe.config import config_from_dict, parse_override, validate
 from jaxmoe.errors import UserError
-from parity.checks import Checks, compare_forward, compare_losses, compare_named, compare_routing, first_divergence
+from parity.checks import (
+    Checks,
+    compare_forward,
+    compare_losses,
+    compare_named,
+    compare_routing,
+    compare_steps,
+    first_divergence,
+)
 from parity.sides import JaxSide, decisiveness, init_weights, make_batches, setup_numerics, to_numpy
 from parity.tolerances import SIZE_PROFILES, tolerances_for
 
@@ -40,8 +57,17 @@ from parity.tolerances import SIZE_PROFILES, tolerances_for
 TITAN_INIT_SCALE = 2.0
 
 
-def titan_config(opts):
-    """(TitanConfig, jaxmoe Config sized for the run) from ``opts.titan`` / ``titan_overrides``."""
+# The schedule of a --steps N run unless --set gives it: torchtitan's debug trainers'
+# (torchtitan/models/deepseek_v3/config_registry.py ``deepseek_v3_debugmodel``: warmup 2,
+# decay_ratio 0.8, linear, min_lr_factor 0; lr 8e-4 = default_adamw's), so that N = 20 steps
+# cross all three phases (torchtitan's default warmup of 200 would be all warmup). The registry
+# module itself imports the whole Trainer (tensorboard, datasets): not importable here.
+TITAN_RUN_SCHEDULE = {"warmup_steps": 2, "titan_decay_ratio": 0.8, "titan_decay_type": "linear", "min_lr_ratio": 0.0}
+
+
+def titan_config(opts, n_steps: int = 0):
+    """(TitanConfig, jaxmoe Config sized for the run) from ``opts.titan`` / ``titan_overrides``;
+    ``train.steps`` = ``n_steps`` (the schedule's length) unless ``--set`` gives it."""
     from parity.titan_flavors import config_from_titan
 
     if not opts.titan:
@@ -61,6 +87,11 @@ def titan_config(opts):
             setattr(t, k, size[k])
     t.batch_size = t.micro_batches * max(1, math.ceil(t.batch_size / t.micro_batches))
     t.dtype, t.seed = opts.dtype, opts.seed
+    if n_steps and "train.steps" not in given:
+        t.steps = n_steps
+    for k, v in TITAN_RUN_SCHEDULE.items():
+        if f"train.{k}" not in given:
+            setattr(t, k, v)
     return tcfg, validate(cfg)
 
 
@@ -73,18 +104,17 @@ def run_titan_suite(opts, n_steps: int) -> dict:
         raise UserError("--reference torchtitan runs on one device with natural routing: drop --mesh / --force-routing")
     if opts.dtype != "float32":
         raise UserError("--reference torchtitan: fp32 only for now (--dtype float32)")
-    if n_steps:
-        raise UserError("--reference torchtitan compares one forward/backward; pass --steps 0 "
-                        "(training parity with torchtitan's optimizer is not built yet)")
+    if n_steps < 0:
+        raise UserError(f"--steps {n_steps}: must be >= 0")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    tcfg, cfg = titan_config(opts)
+    tcfg, cfg = titan_config(opts, n_steps)
     tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer)
     setup_numerics()
     params, buffers = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
     tensors = to_titan(cfg, params, buffers)
     bias = to_numpy(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
-    batches = make_batches(cfg, 1, opts.seed)
+    batches = make_batches(cfg, max(1, n_steps), opts.seed)
     ts = TitanSide(tcfg.titan, tensors, fp32_experts=True)
     js = JaxSide(cfg, params, buffers, namer=to_titan)
     timings["setup"] = time.perf_counter() - t0
@@ -108,22 +138,38 @@ def run_titan_suite(opts, n_steps: int) -> dict:
     timings["torch_grads"] = time.perf_counter() - t
     grad_worst = compare_named("grad", jg, tg, tol.grad_rel_l2, checks, "backward")
 
+    curves, notes = None, list(tcfg.notes)
+    if n_steps > 0:
+        titan_bias = any(b.expert_bias_E is not None for b in ts.moe_blocks())
+        hook = titan_bias and cfg.moe.use_expert_bias
+        if titan_bias and not hook:
+            notes.append("torchtitan's expert-bias hook is off in the training run: its bias is not mapped")
+        t = time.perf_counter()
+        jt = js.train(batches[:n_steps])
+        timings["jax_steps"] = time.perf_counter() - t
+        t = time.perf_counter()
+        tt = ts.train(batches[:n_steps], cfg.train, bias_hook=hook)
+        timings["torch_steps"] = time.perf_counter() - t
+        curves = {"jax": jt["losses"], "torch": tt["losses"]}
+        params0 = to_titan(cfg, params, None, with_buffers=False)
+        compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=params0)
+
     items = checks.items
     name = opts.name or f"titan-{opts.titan.replace('/', '-')}-{opts.dtype}"
     report = {
         "passed": all(c["passed"] for c in items), "name": name, "reference": "torchtitan",
-        "titan": opts.titan, "titan_overrides": list(opts.titan_overrides), "notes": tcfg.notes,
+        "titan": opts.titan, "titan_overrides": list(opts.titan_overrides), "notes": notes,
         "first_divergence": first_divergence(items), "checks": items, "n_checks": len(items),
         "n_failed": sum(not c["passed"] for c in items), "routing": routing,
-        "comparison_routing": "natural (torchtitan's router is not replayed)", "loss_curves": None,
+        "comparison_routing": "natural (torchtitan's router is not replayed)", "loss_curves": curves,
         "layer_errors": layer_errors, "grad_worst": sorted(grad_worst.items(), key=lambda kv: -kv[1])[:10],
         "decisiveness": decisiveness(cfg, tf["logits"], tf["aux"]["router"]["scores"], bias),
         "init_scale": opts.init_scale, "tolerances": tol.to_dict(), "options": dataclasses.asdict(opts),
-        "steps": 0, "mesh": None,
+        "steps": n_steps, "mesh": None,
         "fault": None, "config": cfg.to_dict(), "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
     report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
     return report
 
 
-__all__ = ["run_titan_suite", "titan_config"]
+__all__ = ["TITAN_RUN_SCHEDULE", "run_titan_suite", "titan_config"]

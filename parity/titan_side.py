@@ -85,11 +85,20 @@ class TitanSide:
         import torch  # late: torch and torchtitan
 
         torch.set_num_threads(1)  # bitwise-reproducible gradients (module doc)
-        self.model = build_titan_model(titan_cfg, fp32_experts=fp32_experts)
-        self.model.train()  # as the training step runs (no dropout in these models)
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
-        self.names = [n for n in tensors if n in params]
+        self.titan_cfg, self.tensors, self.fp32_experts = titan_cfg, tensors, fp32_experts
+        self.model = self._build()
+        self.names = [n for n in tensors if n in dict(self.model.named_parameters())]
+        self._attach(self.model)
+
+    def _build(self):
+        """torchtitan's model with the run's weights loaded (checked name by name)."""
+        import torch  # late: torch and torchtitan
+
+        tensors = self.tensors
+        model = build_titan_model(self.titan_cfg, fp32_experts=self.fp32_experts)
+        model.train()  # as the training step runs (no dropout in these models)
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
         unknown = sorted(set(tensors) - set(params) - set(buffers))
         if unknown:
             raise UserError(f"--reference torchtitan: {len(unknown)} mapped tensors are not in torchtitan's "
@@ -104,11 +113,15 @@ class TitanSide:
                 if tuple(dst.shape) != a.shape:
                     raise UserError(f"--reference torchtitan: {n}: torchtitan {tuple(dst.shape)}, mapped {a.shape}")
                 dst.copy_(torch.from_numpy(np.array(a, np.float32)))
+        return model
+
+    def _attach(self, model) -> None:
+        """Use ``model`` for the forward/loss below (its routers captured)."""
+        from torchtitan.components.loss import CrossEntropyLoss
         from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
-        self.routers = [m for m in self.model.modules() if isinstance(m, TokenChoiceTopKRouter)]
-        from torchtitan.components.loss import CrossEntropyLoss
-
+        self.model = model
+        self.routers = [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
         self.loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
 
     def _run(self, inputs):
@@ -162,4 +175,96 @@ class TitanSide:
         return out
 
 
-__all__ = ["IGNORE_INDEX", "TitanSide", "build_titan_model"]
+    def moe_blocks(self) -> list:
+        """The ``moe`` modules of the MoE layers, in layer order."""
+        return [blk.moe for blk in self.model.layers.values() if getattr(blk, "moe_enabled", False)]
+
+    def train(self, batches: list[dict], tcfg, *, bias_hook: bool) -> dict:
+        """``len(batches)`` training steps as torchtitan's ``Trainer.train_step`` makes them (one
+        micro-batch, no parallelism), on a fresh copy of the initial weights:
+
+        ``optimizers.zero_grad()``; loss (summed CE / global valid tokens) ``.backward()``;
+        ``torchtitan.distributed.utils.clip_grad_norm_(params, max_norm, foreach=True)``;
+        ``optimizers.step()`` (its step pre-hook, :func:`register_moe_load_balancing_hook`, updates
+        every MoE layer's ``expert_bias_E`` from ``tokens_per_expert_E`` and zeroes the counts);
+        ``lr_schedulers.step()``.
+
+        Built by torchtitan's own classes from ``tcfg`` (jaxmoe's train section, which
+        :func:`parity.titan_flavors.map_titan_training` sets to torchtitan's defaults):
+        ``OptimizersContainer`` over ``default_adamw(lr, betas, eps, weight_decay)`` (one AdamW
+        group, decay on every parameter; ``implementation="for-loop"``: torchtitan's default
+        "fused" is CUDA's kernel, the single-tensor path is torch's reference AdamW),
+        ``LRSchedulersContainer.Config(warmup_steps, decay_ratio, decay_type, min_lr_factor)
+        .build(training_steps=tcfg.steps)``, and the bias hook when ``bias_hook`` (a stand-in for
+        ``ParallelDims``: no mesh, no EP/TP). -> {"losses", "params" (by torchtitan name),
+        "bias" [Lm, E] or None, "counts" [Lm, E] per step, "params1", "bias1"}."""
+        from torchtitan.components.optimizer import (
+            LRSchedulersContainer,
+            OptimizersContainer,
+            default_adamw,
+            register_moe_load_balancing_hook,
+        )
+        from torchtitan.distributed import utils as dist_utils
+
+        if tcfg.optimizer != "adamw":
+            raise UserError("--reference torchtitan --steps N: the torchtitan side runs torchtitan's AdamW "
+                            f"(train.optimizer=adamw), not {tcfg.optimizer!r} (its Muon needs a device mesh)")
+        # torchtitan's own rules whatever jaxmoe's options say (decay on every parameter, its
+        # warmup-stable-decay from the titan_* fields, its bias rule): a jaxmoe option set otherwise
+        # (train.decay_norms=false, train.schedule=wsd, moe.bias_update_rule=sign) shows as a divergence
+        self._attach(self._build())  # fresh weights: the forward/grad checks must not leak in
+        model = self.model
+        opt_cfg = default_adamw(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps,
+                                weight_decay=tcfg.weight_decay)
+        opt_cfg.implementation = "for-loop"
+        optimizers = OptimizersContainer(opt_cfg, model_parts=[model])
+        sched = LRSchedulersContainer.Config(
+            warmup_steps=tcfg.warmup_steps, decay_ratio=tcfg.titan_decay_ratio, decay_type=tcfg.titan_decay_type,
+            min_lr_factor=tcfg.min_lr_ratio).build(optimizers=optimizers, training_steps=tcfg.steps)
+        blocks = self.moe_blocks()
+        if bias_hook:
+            register_moe_load_balancing_hook(optimizers, [model], NoParallelism())
+        for b in blocks:
+            b.tokens_per_expert_E.zero_()
+        losses, counts, first = [], [], None
+        n_exp = self.routers[0].num_experts if self.routers else 0
+        for i, batch in enumerate(batches):
+            optimizers.zero_grad()
+            loss, routers, _ = self.objective(torch_batch(batch))
+            loss.backward()
+            if tcfg.grad_clip > 0:
+                dist_utils.clip_grad_norm_([p for p in model.parameters()], tcfg.grad_clip, foreach=True,
+                                           pp_mesh=None, ep_enabled=False)
+            optimizers.step()
+            sched.step()
+            if not bias_hook:  # torchtitan's hook zeroes them; without it they only accumulate
+                for b in blocks:
+                    b.tokens_per_expert_E.zero_()
+            losses.append(float(loss.detach()))
+            counts.append(np.stack([np.bincount(to_numpy(r[1][1]).ravel().astype(np.int64), minlength=n_exp)
+                                    for r in routers]) if routers else np.zeros((0, 0), np.int64))
+            if i == 0:
+                first = self._snapshot(bias_hook)
+        return {"losses": losses, **self._snapshot(bias_hook), "counts": counts, "params1": first["params"],
+                "bias1": first["bias"]}
+
+    def _snapshot(self, with_bias: bool) -> dict:
+        params = dict(self.model.named_parameters())
+        bias = (np.stack([to_numpy(b.expert_bias_E).astype(np.float32) for b in self.moe_blocks()])
+                if with_bias else None)
+        return {"params": {n: to_numpy(params[n].detach()).astype(np.float32) for n in self.names}, "bias": bias}
+
+
+class NoParallelism:
+    """What ``register_moe_load_balancing_hook`` reads of ``ParallelDims`` on one process: no
+    meshes (``ParallelDims`` itself assumes CUDA when no accelerator is present)."""
+
+    ep_enabled = False
+    tp = 1
+
+    def get_optional_mesh(self, name):
+        del name
+        return None
+
+
+__all__ = ["IGNORE_INDEX", "NoParallelism", "TitanSide", "build_titan_model"]

@@ -174,12 +174,12 @@ SIGMOID = ["moe.router.score_func=sigmoid", "moe.router.num_expert_groups=4", "m
            "moe.router.route_norm=true", "moe.router.route_scale=2.5"]
 
 
-def _run(overrides=(), jax_overrides=()):
+def _run(overrides=(), jax_overrides=(), steps=0):
     from parity.runner import RunOptions, run_suite
     from parity.titan_runner import TITAN_INIT_SCALE
 
     opts = RunOptions(reference="torchtitan", titan="deepseek_v3/debugmodel", titan_overrides=list(overrides),
-                      overrides=list(jax_overrides), steps=0, profile="fast", init_scale=TITAN_INIT_SCALE)
+                      overrides=list(jax_overrides), steps=steps, profile="fast", init_scale=TITAN_INIT_SCALE)
     return run_suite(opts)
 
 
@@ -213,3 +213,198 @@ def test_parity_catches_a_wrong_mapping(jax_overrides, first):
     rep = _run(SIGMOID, jax_overrides)
     assert not rep["passed"]
     assert rep["first_divergence"]["name"].startswith(first), rep["first_divergence"]
+
+
+# --------------------------------------------------------------------------------------------
+# Training semantics against torchtitan's own components (issue 26, item 2): each test also
+# shows that it fails when the jaxmoe option is the other one
+# --------------------------------------------------------------------------------------------
+
+
+def _titan_lrs(n, warmup, ratio, kind, lo):
+    """torchtitan's LRSchedulersContainer factors for updates 0..n-1 (a one-parameter AdamW)."""
+    import torch
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw
+
+    cfg = default_adamw(lr=1.0)
+    cfg.implementation = "for-loop"
+    opt = OptimizersContainer(cfg, model_parts=[torch.nn.Linear(1, 1, bias=False)])
+    sched = LRSchedulersContainer.Config(warmup_steps=warmup, decay_ratio=ratio, decay_type=kind,
+                                         min_lr_factor=lo).build(optimizers=opt, training_steps=n)
+    out = []
+    for _ in range(n):
+        out.append(opt.optimizers[0].param_groups[0]["lr"])
+        sched.step()
+    return np.asarray(out)
+
+
+@needs_titan
+@pytest.mark.parametrize("n,warmup,ratio,kind,lo", [
+    (20, 2, 0.8, "linear", 0.0),  # torchtitan's debug trainers
+    (20, 3, 0.25, "cosine", 0.1),
+    (17, 0, None, "sqrt", 0.0),  # decay_ratio None: decay from the end of warmup
+    (10, 200, None, "linear", 0.0),  # warmup longer than the run: torchtitan cuts it to the run
+    (9, 2, 0.5, "linear", 0.0),  # round(4.5) = 4 (Python rounds half to even)
+])
+def test_titan_wsd_schedule_equals_torchtitans(n, warmup, ratio, kind, lo):
+    """``train.schedule=titan_wsd`` (jaxmoe and torch_ref) gives torchtitan's LR of every update;
+    jaxmoe's own ``wsd`` with the same settings does not."""
+    from jaxmoe.config import Config
+    from jaxmoe.optim import lr_schedule
+    from torch_ref.train import lr_factor
+
+    want = _titan_lrs(n, warmup, ratio, kind, lo)
+    cfg = Config()
+    t = cfg.train
+    t.steps, t.warmup_steps, t.min_lr_ratio = n, warmup, lo
+    t.schedule, t.titan_decay_ratio, t.titan_decay_type = "titan_wsd", 1.0 if ratio is None else ratio, kind
+    got = np.asarray([float(lr_schedule(t, 1.0)(i)) for i in range(n)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose([lr_factor(cfg, i) for i in range(n)], want, rtol=1e-12, atol=1e-15)
+    t.schedule, t.wsd_decay_frac = "wsd", ratio or 1.0
+    other = np.asarray([float(lr_schedule(t, 1.0)(i)) for i in range(n)])
+    assert np.abs(other - want).max() > 1e-3
+
+
+def _sigmoid_titan_config():
+    from parity.titan_flavors import config_from_titan
+
+    return config_from_titan("deepseek_v3/debugmodel", SIGMOID)
+
+
+@needs_titan
+@pytest.mark.parametrize("rule", ["sign_centred", "sign"])
+def test_bias_update_equals_torchtitans_hook(rule):
+    """jaxmoe's expert-bias update (``moe.bias_update_rule``, rate ``moe.bias_update_rate`` mapped
+    from ``load_balance_coeff``) equals torchtitan's optimizer pre-hook on every MoE layer
+    (``register_moe_load_balancing_hook``, counts zeroed after); without centring it does not."""
+    import jax.numpy as jnp
+    import torch
+    from torchtitan.components.optimizer import OptimizersContainer, default_adamw, register_moe_load_balancing_hook
+
+    from jaxmoe.losses import update_expert_bias
+    from parity.titan_side import NoParallelism, build_titan_model
+
+    tcfg = _sigmoid_titan_config()
+    cfg = tcfg.config
+    assert cfg.moe.use_expert_bias and cfg.moe.bias_update_rule == "sign_centred"
+    model = build_titan_model(tcfg.titan)
+    blocks = [b.moe for b in model.layers.values() if b.moe_enabled]
+    rng = np.random.default_rng(0)
+    # counts with more experts above the mean than below (the centring then matters) and a tie
+    counts = rng.integers(0, 50, (len(blocks), cfg.moe.n_experts)).astype(np.float32)
+    counts[:, :3] = 100.0
+    bias0 = rng.normal(0, 0.03, counts.shape).astype(np.float32)
+    with torch.no_grad():
+        for b, c, e in zip(blocks, counts, bias0):
+            b.tokens_per_expert_E.copy_(torch.from_numpy(c))
+            b.expert_bias_E.copy_(torch.from_numpy(e))
+    opt_cfg = default_adamw()
+    opt_cfg.implementation = "for-loop"
+    opt = OptimizersContainer(opt_cfg, model_parts=[model])
+    register_moe_load_balancing_hook(opt, [model], NoParallelism())
+    opt.step()  # no gradients: AdamW leaves the weights; the pre-hook moves the biases
+    titan = np.stack([b.expert_bias_E.numpy() for b in blocks])
+    assert all(float(b.tokens_per_expert_E.abs().sum()) == 0 for b in blocks)  # counts reset each step
+    ours = np.asarray(update_expert_bias(jnp.asarray(bias0), jnp.asarray(counts), cfg.moe.bias_update_rate, rule))
+    err = np.abs(ours - titan).max()
+    if rule == "sign_centred":
+        assert err <= 1e-9, err
+    else:
+        assert err > 1e-4, err
+
+
+@needs_titan
+@pytest.mark.parametrize("edit", [None, "train.decay_norms=false", "train.decay_embeddings=false",
+                                  "train.schedule=wsd", "train.grad_clip=0"])
+def test_optimizer_equals_torchtitans(edit):
+    """Three updates of jaxmoe's optimizer with the train section the mapping sets (AdamW 0.9/0.95,
+    eps 1e-8, weight decay 0.1 on *every* parameter incl. norms and the embedding, clipping at 1,
+    titan_wsd) equal torchtitan's (``default_adamw`` container, its ``clip_grad_norm_``, its
+    ``LRSchedulersContainer``) parameter by parameter, on the same weights and gradients; each
+    edit away from the mapping makes some parameter differ."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw
+    from torchtitan.distributed import utils as dist_utils
+
+    from jaxmoe.config import config_from_dict, parse_override
+    from jaxmoe.model.transformer import declared_groups
+    from jaxmoe.optim import build_optimizer
+    from parity.sides import init_weights
+    from parity.titan_runner import TITAN_RUN_SCHEDULE
+    from parity.titan_side import build_titan_model
+
+    tcfg = _sigmoid_titan_config()
+    cfg = tcfg.config
+    t = cfg.train
+    t.steps = 6
+    for k, v in TITAN_RUN_SCHEDULE.items():
+        setattr(t, k, v)
+    assert (t.decay_norms, t.decay_embeddings, t.grad_clip, t.schedule) == (True, True, 1.0, "titan_wsd")
+    params, buffers = init_weights(cfg, 0, True, 1.0)
+    model = build_titan_model(tcfg.titan)
+    tp = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, a in to_titan(cfg, params, None, with_buffers=False).items():
+            tp[n].copy_(torch.from_numpy(a))
+    opt_cfg = default_adamw(lr=t.lr)
+    opt_cfg.implementation = "for-loop"
+    opt = OptimizersContainer(opt_cfg, model_parts=[model])
+    sched = LRSchedulersContainer.Config(warmup_steps=t.warmup_steps, decay_ratio=t.titan_decay_ratio,
+                                         decay_type=t.titan_decay_type, min_lr_factor=t.min_lr_ratio
+                                         ).build(optimizers=opt, training_steps=t.steps)
+    if edit:
+        section, key, value = parse_override(edit)
+        cfg = config_from_dict({section: {key: value}}, base=cfg)
+    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    state = tx.init(params)
+    rng = np.random.default_rng(1)
+    p = params
+    for step in range(4):  # 3 updates with the same gradients (large: clipping acts), the 4th checks lr
+        g = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape).astype(np.float32) * 0.05), p)
+        upd, state = tx.update(g, state, p)
+        p = optax.apply_updates(p, upd)
+        with torch.no_grad():
+            for n, a in to_titan(cfg, g, None, with_buffers=False).items():
+                tp[n].grad = torch.from_numpy(a.copy())
+        dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True, pp_mesh=None, ep_enabled=False)
+        opt.step()
+        sched.step()
+    ours = to_titan(cfg, jax.tree.map(np.asarray, p), None, with_buffers=False)
+    worst = max(float(np.linalg.norm(ours[n] - tp[n].detach().numpy()) / np.linalg.norm(tp[n].detach().numpy()))
+                for n in ours)
+    if edit is None:
+        assert worst <= 1e-6, worst
+    else:
+        assert worst > 1e-5, (edit, worst)
+
+
+@needs_titan
+def test_parity_training_steps_with_torchtitans_optimizer():
+    """Two training steps on both sides (torchtitan's optimizer container, clipping, schedule, bias
+    hook; two jaxmoe micro-batches against torchtitan's one, the padding all in the second: the
+    loss is summed CE over the *global* valid-token count), every parameter and bias compared."""
+    rep = _run(SIGMOID, ["train.micro_batches=2"], steps=2)
+    assert rep["passed"], rep["first_divergence"]
+    names = {c["name"] for c in rep["checks"]}
+    assert {"step_loss[0]", "step_loss[1]", "expert_bias[1]", "step2_expert_bias", "step_routing"} <= names
+    assert sum(n.startswith("update[1]:") for n in names) == 83
+    assert sum(n.startswith("step2_param:") for n in names) == 83
+
+
+@needs_titan
+@pytest.mark.slow
+def test_selftest_faults_localised_against_torchtitan():
+    """``python -m parity selftest``'s torchtitan rows (~2.5 min here): the baseline passes; jaxmoe's
+    bias update without centring is caught at ``expert_bias[1]``, AdamW without decay on norms at
+    the first norm's first update (torchtitan decays every parameter)."""
+    from parity.faults import run_fault, titan_faults
+
+    rows = {f.name: run_fault(f, "fast", 0, 8.0, {}) for f in titan_faults()}
+    assert rows["baseline (torchtitan)"]["ok"] and rows["baseline (torchtitan)"]["margin"] < 1
+    assert rows["titan: bias-not-centred"]["first_divergence"] == "expert_bias[1]"
+    assert rows["titan: no-decay-on-norms"]["first_divergence"] == "update[1]:layers.0.attention_norm.weight"
+    assert all(r["ok"] for r in rows.values())

@@ -135,10 +135,15 @@ def compute_loss(cfg: Config, logits: torch.Tensor, aux: dict, batch: dict, n_va
     return total, metrics
 
 
-def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch.Tensor:
+def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float,
+                       rule: str = "sign_centred") -> torch.Tensor:
     """Sign-rule update over the last (expert) axis: under-loaded experts (count below the mean)
-    go up by ``rate``, over-loaded down, then the update is mean-centred. Returns the new bias."""
+    go up by ``rate``, over-loaded down, then (``rule="sign_centred"``, the default) the update is
+    mean-centred; ``rule="sign"`` skips the centring. Returns the new bias."""
     c = counts.float()
     delta = rate * torch.sign(c.mean(-1, keepdim=True) - c)
-    delta = delta - delta.mean(-1, keepdim=True)
+    if rule == "sign_centred":
+        delta = delta - delta.mean(-1, keepdim=True)
+    elif rule != "sign":
+        raise ValueError(f"moe.bias_update_rule={rule!r} is not one of sign_centred, sign")
     return bias + delta.to(bias.dtype)

@@ -22,6 +22,7 @@ import torch
 
 from jaxmoe.config import Config, ConfigError
 from torch_ref.losses import loss_terms, update_expert_bias, valid_mask, weighted_total
+from torch_ref.muon import Muon as RefMuon
 from torch_ref.transformer import TorchTransformer
 
 # --------------------------------------------------------------------------------------------
@@ -47,6 +48,8 @@ def lr_factor(cfg: Config, step: int) -> float:
     """
     t = cfg.train
     w, n, r = t.warmup_steps, t.steps, t.min_lr_ratio
+    if t.schedule == "titan_wsd":
+        return _titan_wsd_factor(t, step)
     if step < w:
         return (step + 1) / w
     s0 = max(w, n - 1 - math.floor(t.wsd_decay_frac * n)) if t.schedule == "wsd" else w
@@ -58,6 +61,27 @@ def lr_factor(cfg: Config, step: int) -> float:
     if t.schedule == "constant":
         return 1.0
     raise ConfigError(f"train.schedule={t.schedule!r} is not one of cosine, linear, wsd, constant")
+
+
+def _titan_wsd_factor(t, step: int) -> float:
+    """torchtitan 0.3.0's warmup-stable-decay factor (``LRSchedulersContainer``), written from its
+    rule: warmup ``W = min(warmup_steps, N)``; decay ``D = round(N * titan_decay_ratio)`` cut to
+    ``N - W``; stable ``S = N + 1 - W - D``; ``(s+1)/W`` in warmup, 1 while stable, then
+    ``r + (1 - r) * f((s + 1 - W - S) / D)`` with ``f`` linear / sqrt / cosine (progress held at 1
+    past ``N``)."""
+    n = t.steps
+    w = min(t.warmup_steps, n)
+    d = round(n * t.titan_decay_ratio)
+    d = n - w if w + d > n else d
+    stable = n + 1 - w - d
+    if step < w:
+        return (step + 1) / w
+    if step < w + stable:
+        return 1.0
+    p = min(1.0, (step + 1 - w - stable) / max(d, 1))
+    f = {"linear": lambda: 1 - p, "sqrt": lambda: 1 - math.sqrt(p),
+         "cosine": lambda: 0.5 * (1 + math.cos(math.pi * p))}[t.titan_decay_type]()
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * f
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,12 +146,13 @@ def make_optimizer(model: TorchTransformer, cfg: Config) -> Optimizer:
         g["base_lr"] = t.lr
     optimizers = [adamw]
     if muon:
-        if t.muon_ns_dtype != "bfloat16":
-            raise ConfigError(
-                f"train.muon_ns_dtype={t.muon_ns_dtype!r}: torch_ref uses torch.optim.Muon, whose "
-                "Newton-Schulz runs in bfloat16; set train.muon_ns_dtype=bfloat16"
-            )
-        opt = torch.optim.Muon(
+        # bfloat16 NS: the stock torch.optim.Muon; float32 NS: torch_ref.muon.Muon, the same
+        # algorithm with Newton-Schulz in fp32 (torch.optim.Muon's is bf16 unconditionally)
+        if t.muon_ns_dtype == "bfloat16":
+            cls, extra = torch.optim.Muon, {}
+        else:
+            cls, extra = RefMuon, {"ns_dtype": getattr(torch, t.muon_ns_dtype)}
+        opt = cls(
             muon,
             lr=t.muon_lr,
             weight_decay=t.muon_weight_decay,
@@ -137,6 +162,7 @@ def make_optimizer(model: TorchTransformer, cfg: Config) -> Optimizer:
             eps=t.muon_eps,
             ns_steps=t.muon_ns_steps,
             adjust_lr_fn=None if t.muon_adjust_lr == "none" else t.muon_adjust_lr,
+            **extra,
         )
         for g in opt.param_groups:
             g["base_lr"] = t.muon_lr
@@ -225,7 +251,7 @@ def train_step(model: TorchTransformer, opt: Optimizer, sched: Scheduler, batch:
     if cfg.moe.use_expert_bias and counts is not None:
         with torch.no_grad():
             for bias, c in zip(model.expert_biases(), counts):
-                bias.copy_(update_expert_bias(bias, c, cfg.moe.bias_update_rate))
+                bias.copy_(update_expert_bias(bias, c, cfg.moe.bias_update_rate, cfg.moe.bias_update_rule))
     return metrics
 
 
