@@ -179,8 +179,8 @@ def leaf_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return {k: ((rows[k],) if k in rows else ()) + s for k, s in inner.items()}
 
 
-def _get(tensor: np.ndarray, ent: TitanEntry) -> np.ndarray:
-    """The jaxmoe slice of one torchtitan tensor (its q/k/v rows for wqkv)."""
+def jax_part(tensor: np.ndarray, ent: TitanEntry) -> np.ndarray:
+    """The jaxmoe slice of one torchtitan tensor (its q/k/v rows for wqkv), as a view where it can be."""
     a = tensor[ent.rows()] if ent.qkv else tensor
     return np.swapaxes(a, -1, -2) if ent.transpose else a
 
@@ -226,11 +226,11 @@ def from_titan(cfg: Config, tensors: dict) -> dict[str, np.ndarray]:
         if tuple(t.shape) != ent.shape:
             raise UserError(f"torchtitan tensor {ent.name}: shape {tuple(t.shape)}, the config says {ent.shape}")
         if ent.index:
-            out[ent.key][ent.index] = _get(t, ent)
+            out[ent.key][ent.index] = jax_part(t, ent)
         else:
-            out[ent.key] = np.ascontiguousarray(_get(t, ent))
+            out[ent.key] = np.ascontiguousarray(jax_part(t, ent))
     return out
 
 
-__all__ = ["GLOBAL_NAMES", "LAYER_NAMES", "TitanEntry", "WQKV", "from_titan", "leaf_shapes", "titan_entries",
-           "to_titan"]
+__all__ = ["GLOBAL_NAMES", "LAYER_NAMES", "TitanEntry", "WQKV", "from_titan", "jax_part", "leaf_shapes",
+           "titan_entries", "to_titan"]
