@@ -1,7 +1,9 @@
-"""``dcp:`` sources (issue 29): torchtitan checkpoints written by torchtitan's own
-``CheckpointManager`` (one rank model-only; two gloo ranks, FSDP-sharded, full state) read
-bit-exactly, converted, run (logits against torchtitan's own forward) and trained from; and
-reading one never runs code from it (a planted ``.metadata``, ``data.pkl`` and byte item).
+"""``dcp:`` checkpoints (issue 29): torchtitan checkpoints written by torchtitan's own
+``CheckpointManager`` (one rank model-only; two gloo ranks, FSDP-sharded, full state; its HF
+export) read bit-exactly, converted, run (logits against torchtitan's own forward) and trained
+from; reading one never runs code from it (a planted ``.metadata``, ``data.pkl`` and byte item);
+and ``dcp:`` destinations -- a checkpoint converted and a run trained in jaxmoe -- restored by
+torchtitan's own ``CheckpointManager`` into the flavor's model.
 
 The checkpoints come from ``tests/titan_dcp_save.py`` in subprocesses (torchtitan's DeepSeek-V3
 ``debugmodel``, fp32, ~130 MB of weights). Everything that needs torchtitan is skipped, with the
@@ -178,37 +180,85 @@ def test_logits_of_a_dcp_checkpoint_match_torchtitan(one_rank, tmp_path):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
 
 
+# --------------------------------------------------------------------------------------------
+# writing dcp: torchtitan restores it
+# --------------------------------------------------------------------------------------------
+
+
+def _titan_load(step: Path, folder: Path) -> dict:
+    """torchtitan's CheckpointManager loads ``step`` model-only (``initial_load_path``) into a
+    fresh FLAVOR model: its state dict as numpy."""
+    import torch
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from parity.titan_flavors import titan_model_config
+    from parity.titan_side import build_titan_model
+
+    model = build_titan_model(titan_model_config(FLAVOR), fp32_experts=False)
+    with torch.no_grad():
+        for v in model.state_dict().values():
+            v.fill_(7.0)
+    cfg = CheckpointManager.Config(enable=True, folder=str(folder), initial_load_path=str(step),
+                                   initial_load_model_only=True, keep_latest_k=0)
+    ckpt = CheckpointManager(cfg, dataloader=None, model_parts=[model], optimizers=None,
+                             lr_schedulers=None, states={}, sd_adapter=None)
+    assert ckpt.load()
+    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+
 @needs_titan
-def test_train_init_from_dcp_records_the_titan_option(one_rank, tmp_path, capsys):
+def test_torchtitan_restores_what_dcp_destinations_hold(one_rank, tmp_path, capsys):
+    # torchtitan -> jaxmoe run dir -> torchtitan: the model comes back bit for bit
+    assert main(["convert", "--from", f"dcp:{one_rank}/step-1", "--titan", FLAVOR,
+                 "--to", f"orbax:{tmp_path}/run"]) == 0
+    assert main(["convert", "--from", f"orbax:{tmp_path}/run", "--to", f"dcp:{tmp_path}/step-9"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "step-9").iterdir()) == [".metadata", "__0_0.distcp"]
+    got = _titan_load(tmp_path / "step-9", tmp_path / "ckpt")
+    ref = np.load(one_rank / "reference.npz")
+    for k in ref.files:
+        assert np.array_equal(got[k], ref[k]), k
+    # ... and jaxmoe reads its own dcp: like torchtitan's (the zero expert biases included)
+    with _open(f"dcp:{tmp_path}/step-9") as src:
+        _assert_leaves(src, one_rank)
+    # an existing destination is not overwritten
+    rc = main(["convert", "--from", f"orbax:{tmp_path}/run", "--to", f"dcp:{tmp_path}/step-9"])
+    assert rc == 2 and "exists" in _one_line(capsys)
+
+
+@needs_titan
+def test_a_run_trained_in_jaxmoe_goes_back_to_torchtitan(one_rank, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    args = ["train", "--preset", "tiny", "--init-from", f"dcp:{one_rank}/step-1", "--titan", FLAVOR,
-            "--steps", "1", "--out", str(run), "--quiet", "--set", "train.seq_len=32",
-            "--set", "train.batch_size=2"]
-    assert main(args) == 0, capsys.readouterr().err
-    rec = json.loads((run / "run.json").read_text())["init_from"]
+    assert main(["train", "--preset", "tiny", "--init-from", f"dcp:{one_rank}/step-1", "--titan", FLAVOR,
+                 "--steps", "2", "--out", str(run), "--quiet", "--set", "train.seq_len=32",
+                 "--set", "train.batch_size=2"]) == 0, capsys.readouterr().err
+    rec = json.loads((run / "run.json").read_text())["init_from"]  # --resume re-opens it with --titan
     assert rec["options"] == {"titan": FLAVOR} and rec["source"] == f"dcp:{one_rank / 'step-1'}"
-    assert main(["train", "--preset", "tiny", "--titan", FLAVOR, "--steps", "1",
-                 "--out", str(tmp_path / "x")]) == 2
+    assert main(["train", "--preset", "tiny", "--titan", FLAVOR, "--steps", "1", "--out", str(tmp_path / "x")]) == 2
     assert "--init-from" in _one_line(capsys)
+    assert main(["convert", "--from", f"orbax:{run}", "--to", f"dcp:{tmp_path}/step-2"]) == 0
+    got = _titan_load(tmp_path / "step-2", tmp_path / "ckpt")
+    with _open(f"orbax:{run}", None) as src:
+        leaves = {k: src.read_leaf(k) for k in src.keys()}
+        cfg = src.cfg
+    tree = {"params": {}, "buffers": {}}
+    for k, a in leaves.items():
+        top, rest = k.split("/", 1)
+        tree[top][rest] = a
+    from jaxmoe.trees import unflatten
 
-
-@needs_titan
-def test_torchtitan_hf_export_converts_with_titan_naming_the_model(hf_export, tmp_path, capsys):
-    step = hf_export / "step-1"
-    assert not (step / "config.json").exists() and (step / "model.safetensors.index.json").is_file()
-    toml = _sigmoid_toml(tmp_path / "m.toml")
+    want = titan_map.to_titan(cfg, unflatten(tree["params"]), unflatten(tree["buffers"]))
+    ref = np.load(one_rank / "reference.npz")
+    moved = 0
+    for k, a in want.items():
+        assert np.array_equal(got[k], a), k
+        moved += not np.array_equal(a, ref[k])
+    assert moved > len(want) // 2  # the weights trained in jaxmoe, not the initial ones
+    # without torch, writing dcp: is one line naming the extra, before anything is written
+    monkeypatch.setitem(sys.modules, "torch", None)
     capsys.readouterr()
-    rc = main(["convert", "--from", f"hf:{step}", "--to", f"orbax:{tmp_path}/no"])
-    assert rc == 2 and "--titan" in _one_line(capsys) and not (tmp_path / "no").exists()
-    rc = main(["convert", "--from", f"hf:{step}", "--titan", str(toml), "--to", f"orbax:{tmp_path}/run"])
-    assert rc == 0, capsys.readouterr().err
-    with _open(f"orbax:{tmp_path}/run", None) as back:
-        _assert_leaves(back, hf_export)
-    # a folder with its own config.json takes no --titan
-    assert main(["convert", "--from", f"orbax:{tmp_path}/run", "--to", f"hf:{tmp_path}/hf"]) == 0
-    capsys.readouterr()
-    rc = main(["convert", "--from", f"hf:{tmp_path}/hf", "--titan", str(toml), "--to", f"orbax:{tmp_path}/x"])
-    assert rc == 2 and "drop --titan" in _one_line(capsys)
+    rc = main(["convert", "--from", f"orbax:{run}", "--to", f"dcp:{tmp_path}/no"])
+    assert rc == 2 and "pip install" in _one_line(capsys) and not (tmp_path / "no").exists()
 
 
 # --------------------------------------------------------------------------------------------

@@ -185,6 +185,12 @@ def jax_part(tensor: np.ndarray, ent: TitanEntry) -> np.ndarray:
     return np.swapaxes(a, -1, -2) if ent.transpose else a
 
 
+def titan_part(leaf_slice: np.ndarray, ent: TitanEntry) -> np.ndarray:
+    """The torchtitan tensor (or, for wqkv, its q/k/v rows) of one jaxmoe leaf slice
+    ``leaf[ent.index]``: :func:`jax_part` inverted."""
+    return np.swapaxes(leaf_slice, -1, -2) if ent.transpose else leaf_slice
+
+
 def to_titan(cfg: Config, params, buffers=None, *, with_buffers: bool = True) -> dict[str, np.ndarray]:
     """jaxmoe params/buffers (nested dicts) -> {torchtitan name: fp32 numpy array}.
 
@@ -233,4 +239,4 @@ def from_titan(cfg: Config, tensors: dict) -> dict[str, np.ndarray]:
 
 
 __all__ = ["GLOBAL_NAMES", "LAYER_NAMES", "TitanEntry", "WQKV", "from_titan", "jax_part", "leaf_shapes",
-           "titan_entries", "to_titan"]
+           "titan_entries", "titan_part", "to_titan"]

@@ -1,4 +1,5 @@
-"""The ``dcp:STEP_DIR`` format: a torchtitan checkpoint step (``torch.distributed.checkpoint``), read.
+"""The ``dcp:STEP_DIR`` format: a torchtitan checkpoint step (``torch.distributed.checkpoint``),
+read and written.
 
 torchtitan's ``CheckpointManager`` saves the model's tensors flat under their native names (mapped
 to jaxmoe leaves by the one table, :mod:`jaxmoe.port.titan_map`) and, in a full checkpoint,
@@ -9,19 +10,30 @@ torchtitan ``FAMILY/FLAVOR`` (e.g. ``deepseek_v3/debugmodel``) or a jaxmoe prese
 
 Tensors are read one at a time: a leaf is assembled from its torchtitan tensors, each from its
 chunks, so memory holds about one tensor plus the leaf being filled.
+
+Writing (:class:`DcpSink`, needs torch: the bytes are torch's own) produces the model-only step
+torchtitan's ``CheckpointManager`` loads (``checkpoint.initial_load_path`` with
+``initial_load_model_only``) and ``torch.distributed.checkpoint.load`` restores into the flavor's
+state dict: one ``__0_0.distcp`` holding each torchtitan tensor as the bytes ``torch.save`` writes
+(what DCP's ``FileSystemWriter`` writes), written as its leaf arrives, then ``.metadata`` pickled
+from DCP's own metadata classes. A config without an expert bias gets all-zero
+``moe.expert_bias_E`` tensors (torchtitan keeps that buffer whenever its flavor sets
+``load_balance_coeff``, also for softmax routers; a model without it ignores them).
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import numpy as np
 
+from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import titan_map
-from jaxmoe.port.dcp_io import TRAINING_STATE, DcpDir
-from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Source, shape_text
+from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
+from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Sink, Source, shape_text
 
 # --------------------------------------------------------------------------------------------
 # The source
@@ -29,6 +41,7 @@ from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Source, sha
 
 
 EXPERT_BIAS = "moe.expert_bias_E"
+DATA_FILE = "__0_0.distcp"  # what rank 0 of a DCP save writes
 
 
 def check_titan_names(names, shape_of, entries, what: str, config_what: str) -> list[str]:
@@ -130,6 +143,11 @@ class DcpSource(Source):
             out = np.empty(self.shapes[key], dtype or self.leaf_dtype(key))
         return self._fill(self.groups[key], out)
 
+    def leaf_view(self, key: str, dtype=None):
+        """The leaf as a :class:`LeafView`: ``view[index]`` reads only that layer's torchtitan
+        tensor (kept while consecutive indices fall in it), never the whole stacked leaf."""
+        return LeafView(self, key, np.dtype(dtype or self.leaf_dtype(key)))
+
     def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
         ents = self.groups[key]
         if not ents[0].index:
@@ -142,13 +160,108 @@ class DcpSource(Source):
         return [self.ep.path / ".metadata"] + self.dir.files()
 
 
+class LeafView:
+    """A leaf of a :class:`DcpSource` read one layer's torchtitan tensor at a time."""
+
+    def __init__(self, src: DcpSource, key: str, dtype: np.dtype):
+        self.src, self.key, self.dtype = src, key, dtype
+        self.shape = tuple(src.shapes[key])
+        self.ndim = len(self.shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
+        self.rows = {e.index: e for e in src.groups[key]}
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        if () in self.rows:  # a global leaf: one tensor
+            return self.src.read_leaf(self.key, self.dtype)[index]
+        ent = self.rows[(int(index[0]),)]
+        part = titan_map.jax_part(self.src._tensor(ent.name), ent)[index[1:]]
+        return np.asarray(part, self.dtype)
+
+
+def _torch():
+    """torch, or the one-line error naming the extra that brings it."""
+    try:
+        import torch
+    except ImportError:
+        from jaxmoe.extras import hint
+
+        raise UserError(hint("torch", "writing a dcp: checkpoint")) from None
+    return torch
+
+
+class DcpSink(Sink):
+    """A model-only torchtitan DCP step, one torchtitan tensor at a time (see the module doc)."""
+
+    def __init__(self, target: Path, cfg: Config):
+        self.torch = _torch()
+        self.target, self.cfg = target, cfg
+        self.groups: dict[str, list[titan_map.TitanEntry]] = {}
+        for ent in titan_map.titan_entries(cfg):
+            self.groups.setdefault(ent.key, []).append(ent)
+        self.fused: dict[str, tuple[np.ndarray, int]] = {}  # wqkv: array, parts written
+        self.written: dict[str, tuple[tuple, object, int, int]] = {}  # name -> shape, dtype, offset, length
+        target.mkdir(parents=True)
+        self.file = open(target / DATA_FILE, "wb")
+
+    def write_leaf(self, key: str, arr) -> None:
+        for ent in self.groups[key]:
+            a = titan_map.titan_part(np.asarray(arr[ent.index] if ent.index else arr), ent)
+            if ent.qkv is None:
+                self._write(ent.name, a)
+                continue
+            full, parts = self.fused.get(ent.name, (None, 0))
+            if full is None:
+                full = np.empty(ent.shape, a.dtype)
+            full[ent.rows()] = a
+            self.fused[ent.name] = (full, parts + 1)
+            if parts + 1 == 3:
+                self._write(ent.name, self.fused.pop(ent.name)[0])
+
+    def _write(self, name: str, a: np.ndarray) -> None:
+        torch = self.torch
+        a = np.ascontiguousarray(a)
+        if a.dtype == DTYPES["bfloat16"]:
+            t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(a)
+        at = self.file.tell()
+        torch.save(t, self.file)
+        self.written[name] = (tuple(a.shape), t.dtype, at, self.file.tell() - at)
+
+    def finish(self) -> None:
+        m = self.cfg.model
+        if not self.cfg.moe.use_expert_bias:
+            for layer in range(m.first_k_dense, m.n_layers):
+                self._write(f"layers.{layer}.{EXPERT_BIAS}", np.zeros(self.cfg.moe.n_experts, np.float32))
+        self.file.close()
+        if self.fused:
+            raise ValueError(f"fused tensors left incomplete: {sorted(self.fused)}")
+        import torch.distributed.checkpoint.filesystem as fs  # late: torch
+        import torch.distributed.checkpoint.metadata as dm
+
+        torch = self.torch
+        sdm, storage = {}, {}
+        for name, (shape, dtype, at, length) in self.written.items():
+            zeros = torch.Size([0] * len(shape))
+            sdm[name] = dm.TensorStorageMetadata(
+                properties=dm.TensorProperties(dtype=dtype), size=torch.Size(shape),
+                chunks=[dm.ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(shape))])
+            storage[dm.MetadataIndex(name, zeros, 0)] = fs._StorageInfo(DATA_FILE, at, length)
+        md = dm.Metadata(state_dict_metadata=sdm, planner_data={n: (n,) for n in sdm},
+                         storage_data=storage, version=fs.CURRENT_DCP_VERSION)
+        with open(self.target / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+        self.tensors = len(sdm)
+
+
 class DcpFormat(Format):
     scheme = "dcp"
     syntax = "dcp:STEP_DIR"
     help = ("a torchtitan checkpoint step (torch.distributed.checkpoint: .metadata + __R_0.distcp "
             "files, full or model-only; the model config from --titan)")
     options = (TITAN_OPTION,)
-    can_write = False
+    hf_arch_only = False  # torchtitan's own layout: any model titan_map maps
     output_what = "a DCP step directory (.metadata)"
 
     @classmethod
@@ -156,8 +269,16 @@ class DcpFormat(Format):
         return DcpSource(ep)
 
     @classmethod
+    def check_sink(cls, ep: Endpoint) -> None:
+        _torch()
+
+    @classmethod
+    def open_sink(cls, ep: Endpoint, target: Path, cfg: Config, dtypes: dict, log) -> DcpSink:
+        return DcpSink(target, cfg)
+
+    @classmethod
     def is_output(cls, path: Path) -> bool:
         return (path / ".metadata").is_file()
 
 
-__all__ = ["DcpFormat", "DcpSource", "check_titan_names"]
+__all__ = ["DcpFormat", "DcpSink", "DcpSource", "check_titan_names"]
