@@ -193,6 +193,8 @@ def _torch():
 class DcpSink(Sink):
     """A model-only torchtitan DCP step, one torchtitan tensor at a time (see the module doc)."""
 
+    takes_views = True  # only ``arr[layer]`` is read: a lazy source view never holds the leaf
+
     def __init__(self, target: Path, cfg: Config):
         self.torch = _torch()
         self.target, self.cfg = target, cfg
@@ -206,7 +208,7 @@ class DcpSink(Sink):
 
     def write_leaf(self, key: str, arr) -> None:
         for ent in self.groups[key]:
-            a = titan_map.titan_part(np.asarray(arr[ent.index] if ent.index else arr), ent)
+            a = titan_map.titan_part(np.asarray(arr[ent.index]), ent)
             if ent.qkv is None:
                 self._write(ent.name, a)
                 continue
