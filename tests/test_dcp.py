@@ -52,11 +52,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _save(out: Path, world: int, mode: str) -> Path:
+def _save(out: Path, world: int, mode: str, flavor: str = FLAVOR) -> Path:
     """torchtitan's CheckpointManager saves step 1 of FLAVOR from ``world`` gloo ranks (``mode``:
     full, model_only or hf)."""
     port, env = _free_port(), {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "titan_dcp_save.py"), str(out), FLAVOR,
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "titan_dcp_save.py"), str(out), flavor,
                                str(world), str(r), str(port), mode],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
@@ -95,7 +95,7 @@ def _open(spec: str, titan: str | None = FLAVOR):
 
 def _expected(src, ckpt: Path) -> dict:
     ref = np.load(ckpt / "reference.npz")
-    return titan_map.from_titan(src.cfg, {k: ref[k] for k in ref.files})
+    return titan_map.from_titan(src.cfg, {k: ref[k] for k in ref.files}, split_qkv=True)
 
 
 def _assert_leaves(src, ckpt: Path) -> None:
@@ -185,7 +185,7 @@ def test_logits_of_a_dcp_checkpoint_match_torchtitan(one_rank, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _titan_load(step: Path, folder: Path) -> dict:
+def _titan_load(step: Path, folder: Path, flavor: str = FLAVOR) -> dict:
     """torchtitan's CheckpointManager loads ``step`` model-only (``initial_load_path``) into a
     fresh FLAVOR model: its state dict as numpy."""
     import torch
@@ -194,7 +194,7 @@ def _titan_load(step: Path, folder: Path) -> dict:
     from parity.titan_flavors import titan_model_config
     from parity.titan_side import build_titan_model
 
-    model = build_titan_model(titan_model_config(FLAVOR), fp32_experts=False)
+    model = build_titan_model(titan_model_config(flavor), fp32_experts=False)
     with torch.no_grad():
         for v in model.state_dict().values():
             v.fill_(7.0)
@@ -259,6 +259,22 @@ def test_a_run_trained_in_jaxmoe_goes_back_to_torchtitan(one_rank, tmp_path, cap
     capsys.readouterr()
     rc = main(["convert", "--from", f"orbax:{run}", "--to", f"dcp:{tmp_path}/no"])
     assert rc == 2 and "pip install" in _one_line(capsys) and not (tmp_path / "no").exists()
+
+
+@needs_titan
+@pytest.mark.slow  # a 1.3 GB checkpoint: ~30 s here
+def test_gqa_flavor_reads_and_writes_state_dict_names(tmp_path, capsys):
+    """Qwen3's fused wqkv is saved as stock wq / wk / wv (FusedQKVLinear's state-dict hooks):
+    read bit-exact, and written so torchtitan merges them back on load."""
+    flavor = "qwen3/debugmodel_moe"
+    ckpt = _save(tmp_path / "q", 1, "model_only", flavor)
+    with _open(f"dcp:{ckpt}/step-1", flavor) as src:
+        _assert_leaves(src, ckpt)
+    assert main(["convert", "--from", f"dcp:{ckpt}/step-1", "--titan", flavor, "--to", f"dcp:{tmp_path}/back"]) == 0
+    got = _titan_load(tmp_path / "back", tmp_path / "folder", flavor)
+    ref = np.load(ckpt / "reference.npz")
+    for k in ref.files:
+        assert np.array_equal(got[k], ref[k]), k
 
 
 # --------------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ class DcpSource(Source):
             raise UserError(f"{ep}: a DCP checkpoint holds no model config; name it with --titan "
                             "FAMILY/FLAVOR (e.g. deepseek_v3/debugmodel) or a jaxmoe preset / config .toml")
         self.cfg = named_config(spec)
-        self.entries = titan_map.titan_entries(self.cfg)
+        self.entries = titan_map.titan_entries(self.cfg, split_qkv=True)
         names = list(self.dir.tensors) + self.dir.byte_items
         biases = check_titan_names(names, lambda n: self.dir.shape(n) if n in self.dir.tensors else (),
                                    self.entries, str(ep), f"--titan {spec}")
@@ -122,7 +122,7 @@ class DcpSource(Source):
         return dts.pop() if len(dts) == 1 else np.dtype(np.float32)
 
     def _tensor(self, name: str) -> np.ndarray:
-        """One torchtitan tensor; the last is kept (a fused wqkv serves q, k and v)."""
+        """One torchtitan tensor; the last is kept (a layer view reads it once for all its slices)."""
         if self._cache is None or self._cache[0] != name:
             self._cache = None
             self._cache = (name, self.dir.read(name))
@@ -199,26 +199,15 @@ class DcpSink(Sink):
         self.torch = _torch()
         self.target, self.cfg = target, cfg
         self.groups: dict[str, list[titan_map.TitanEntry]] = {}
-        for ent in titan_map.titan_entries(cfg):
+        for ent in titan_map.titan_entries(cfg, split_qkv=True):
             self.groups.setdefault(ent.key, []).append(ent)
-        self.fused: dict[str, tuple[np.ndarray, int]] = {}  # wqkv: array, parts written
         self.written: dict[str, tuple[tuple, object, int, int]] = {}  # name -> shape, dtype, offset, length
         target.mkdir(parents=True)
         self.file = open(target / DATA_FILE, "wb")
 
     def write_leaf(self, key: str, arr) -> None:
         for ent in self.groups[key]:
-            a = titan_map.titan_part(np.asarray(arr[ent.index]), ent)
-            if ent.qkv is None:
-                self._write(ent.name, a)
-                continue
-            full, parts = self.fused.get(ent.name, (None, 0))
-            if full is None:
-                full = np.empty(ent.shape, a.dtype)
-            full[ent.rows()] = a
-            self.fused[ent.name] = (full, parts + 1)
-            if parts + 1 == 3:
-                self._write(ent.name, self.fused.pop(ent.name)[0])
+            self._write(ent.name, titan_map.titan_part(np.asarray(arr[ent.index]), ent))
 
     def _write(self, name: str, a: np.ndarray) -> None:
         torch = self.torch
@@ -237,8 +226,6 @@ class DcpSink(Sink):
             for layer in range(m.first_k_dense, m.n_layers):
                 self._write(f"layers.{layer}.{EXPERT_BIAS}", np.zeros(self.cfg.moe.n_experts, np.float32))
         self.file.close()
-        if self.fused:
-            raise ValueError(f"fused tensors left incomplete: {sorted(self.fused)}")
         import torch.distributed.checkpoint.filesystem as fs  # late: torch
         import torch.distributed.checkpoint.metadata as dm
 
