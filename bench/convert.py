@@ -11,7 +11,9 @@
    is present. An empty child (imports only) gives the baseline RSS. (The child reads ``VmHWM``
    from /proc/self/status: ``getrusage``'s ``ru_maxrss`` survives ``exec`` on Linux and would
    report the parent's peak.)
-   With torch and transformers installed, ``hf -> orbax --verify --verify-layers 1`` too.
+   With torch installed, hf -> dcp (a torchtitan DCP step) and dcp -> hf (the model named by
+   ``--titan`` with the config's .toml); with transformers too, ``hf -> orbax --verify
+   --verify-layers 1``.
 3. Prints MB/s and peak RSS next to the model size, the largest leaf (a stacked expert weight
    ``[Lm, E, D, I]``) and the largest *per-layer* tensor (one layer's slice of a stacked leaf,
    ``[E, D, I]``): peak RSS above the baseline is reported in units of that per-layer tensor,
@@ -156,6 +158,13 @@ def main() -> None:
             print("(jaxmoe.checkpoint not present: orbax steps skipped)")
         import importlib.util
 
+        if importlib.util.find_spec("torch"):
+            from jaxmoe.config import config_to_toml
+
+            (work / "model.toml").write_text(config_to_toml(cfg))
+            steps += [("hf -> dcp", ["--from", f"hf:{work}/hf", "--to", f"dcp:{work}/dcp"]),
+                      ("dcp -> hf", ["--from", f"dcp:{work}/dcp", "--titan", f"{work}/model.toml",
+                                     "--to", f"hf:{work}/hf4"])]
         if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
             steps.append(("hf -> orbax --verify-layers 1",
                           ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run2", "--verify",
@@ -170,6 +179,8 @@ def main() -> None:
         print("hf -> torch -> hf bit-exact:", same_hf(work / "hf", work / "hf2"))
         if (work / "hf3").exists():
             print("hf -> orbax -> hf bit-exact:", same_hf(work / "hf", work / "hf3"))
+        if (work / "hf4").exists():
+            print("hf -> dcp -> hf bit-exact:", same_hf(work / "hf", work / "hf4"))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

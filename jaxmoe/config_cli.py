@@ -40,6 +40,16 @@ def titan_config(spec: str, overrides=(), notes=None):
     return validate(config_from_dict(data, base=tc.config))
 
 
+def named_config(spec: str):
+    """The config a checkpoint's ``--titan SPEC`` names: a jaxmoe config ``.toml``, a jaxmoe
+    preset, or a torchtitan ``FAMILY/FLAVOR`` (the ``[titan]`` extra)."""
+    if spec.endswith(".toml"):
+        return load_config(path=spec)
+    if spec in list_presets():
+        return load_config(preset=spec)
+    return titan_config(spec)
+
+
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """The shared --preset / --config / --set flags."""
     g = p.add_mutually_exclusive_group()
@@ -85,4 +95,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["add_args", "add_config_args", "add_from_titan", "config_from_args", "run", "titan_config"]
+__all__ = ["add_args", "add_config_args", "add_from_titan", "config_from_args", "named_config", "run", "titan_config"]

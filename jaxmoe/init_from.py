@@ -1,7 +1,9 @@
 """``jaxmoe train --init-from SRC``: start a run from the weights of a checkpoint.
 
 ``SRC`` is ``hf:DIR`` (a HuggingFace checkpoint), ``orbax:DIR[@STEP]`` (a jaxmoe run directory,
-its latest or the given step) or ``torch:FILE.safetensors`` (torch_ref's file). The run gets:
+its latest or the given step), ``torch:FILE.safetensors`` (torch_ref's file) or ``dcp:STEP_DIR``
+(a torchtitan checkpoint step, with ``--titan`` naming its model): any source of
+:data:`jaxmoe.port.formats.FORMATS`, with its format options (``--titan``). The run gets:
 
 * the *model* -- the ``[model]`` and ``[moe]`` config sections -- from the source (its
   config.json / config.toml / metadata), with ``--set model.*`` / ``--set moe.*`` overrides
@@ -28,7 +30,7 @@ import numpy as np
 from jaxmoe.config import Config, apply_setting, parse_override, validate
 from jaxmoe.errors import ConfigError, UserError
 from jaxmoe.model.transformer import abstract_params, model_declarations
-from jaxmoe.port.formats import open_source, parse_endpoint
+from jaxmoe.port.formats import bind_options, open_source, parse_endpoint
 from jaxmoe.port.hf_map import flatten, unflatten
 from jaxmoe.port.hf_meta import keep_in_run_dir, meta_files
 
@@ -70,11 +72,13 @@ def fingerprint(src) -> str:
     return ("sha256:" if full else "sha256-sampled:") + h.hexdigest()
 
 
-def open_init_source(spec: str):
-    """The opened source of ``--init-from SPEC`` (validated: config and tensor headers agree).
-    ``orbax:DIR@STEP`` opens that checkpoint step (default: the newest). Its ``spec`` is what the
-    run record keeps: absolute, with the step actually read."""
-    return open_source(parse_endpoint(spec, "--init-from"))
+def open_init_source(spec: str, options: dict | None = None):
+    """The opened source of ``--init-from SPEC`` (validated: config and tensor headers agree),
+    with the source format options ``options`` (name -> value or None, e.g. ``{"titan": ...}``).
+    ``orbax:DIR@STEP`` opens that checkpoint step (default: the newest). Its ``spec`` and
+    ``ep.options`` are what the run record keeps: absolute, with the step actually read."""
+    ep, _ = bind_options(dict(options or {}), source=parse_endpoint(spec, "--init-from"))
+    return open_source(ep)
 
 
 def record_source_files(src, run_dir) -> list[str]:

@@ -165,6 +165,8 @@ class Trainer:
 
             fields["init_from"] = {"source": getattr(self.init_from, "spec", str(self.init_from.ep)),
                                    "fingerprint": fingerprint(self.init_from)}
+            if self.init_from.ep.options:  # format options (--titan): re-opening needs them
+                fields["init_from"]["options"] = dict(self.init_from.ep.options)
         if rd.primary:
             rd.path.mkdir(parents=True, exist_ok=True)
             (rd.path / "config.toml").write_text(config_to_toml(cfg))

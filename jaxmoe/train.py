@@ -32,6 +32,7 @@ from jaxmoe.errors import UserError
 
 def add_args(p: argparse.ArgumentParser) -> None:
     from jaxmoe.config_cli import add_config_args
+    from jaxmoe.port import formats
 
     add_config_args(p)
     p.add_argument("--steps", type=int, help="total steps (overrides train.steps)")
@@ -42,8 +43,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "that never saved starts over from step 0 with its saved config)")
     p.add_argument("--resume-step", type=int, help="with --resume: restore this checkpoint step")
     p.add_argument("--init-from", metavar="SRC",
-                   help="start from the weights of hf:DIR | orbax:RUN_DIR[@STEP] | torch:FILE "
-                        "(model config from the source; fresh optimizer and schedule)")
+                   help="start from the weights of hf:DIR | orbax:RUN_DIR[@STEP] | torch:FILE | "
+                        "dcp:STEP_DIR (model config from the source or --titan; fresh optimizer "
+                        "and schedule)")
+    formats.add_arguments(p, ("source",))
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent compilation cache (also JAXMOE_COMPILE_CACHE=0)")
     p.add_argument("--data", help="default | tokens:PATH(.bin/.npy) | text:PATH (with --set train.tokenizer=...)")
@@ -93,7 +96,13 @@ def resolve_config(args) -> tuple[Config, Path, object]:
     """The run's config, directory and --init-from source (or None). On --resume the saved config
     is authoritative; flags may change only what does not alter the computation (steps, checkpoint
     cadence, mesh)."""
+    from jaxmoe.port import formats
+
     extra = _train_overrides(args)
+    src_options = {o.name: getattr(args, o.name, None) for o in formats.options(("source",))}
+    given = [o.flag for o in formats.options(("source",)) if src_options[o.name] is not None]
+    if given and not args.init_from:
+        raise UserError(f"{given[0]} describes the --init-from source; give --init-from or drop it")
     if args.resume_step is not None and not args.resume:
         raise UserError("--resume-step needs --resume")
     if args.resume:
@@ -128,7 +137,7 @@ def resolve_config(args) -> tuple[Config, Path, object]:
 
         model_over, rest = _split_overrides(list(args.overrides) + extra)
         base = load_config(preset=args.preset, path=args.config, overrides=rest)
-        src = open_init_source(args.init_from)
+        src = open_init_source(args.init_from, src_options)
         cfg = config_from_source(base, src, model_over)
     else:
         cfg = load_config(preset=args.preset, path=args.config, overrides=list(args.overrides) + extra)
@@ -148,7 +157,7 @@ def _recorded_source(out: Path):
         return None
     from jaxmoe.init_from import fingerprint, open_init_source
 
-    src = open_init_source(rec["source"])
+    src = open_init_source(rec["source"], rec.get("options"))
     if fingerprint(src) != rec["fingerprint"]:
         raise UserError(f"--resume: the run started from {rec['source']}, whose contents changed since "
                         "(fingerprint differs); restore it or start a new run with --init-from")

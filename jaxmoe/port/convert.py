@@ -114,7 +114,8 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
     t0 = time.perf_counter()
     source = open_source(src)  # validates: raises before anything is written
     cfg = source.cfg
-    hf_map.check_supported(cfg)
+    if dst.format.hf_arch_only:
+        hf_map.check_supported(cfg)
     for note in source.notices:
         log(note)
     dtypes = _out_dtypes(source, dst.format.default_dtype, np_dtype)

@@ -63,6 +63,10 @@ LAYER_NAMES = {
     "shared/down_proj": "moe.shared_experts.w2.weight",
 }
 WQKV = "attention.qkv_linear.wqkv.weight"
+# what a state dict (so every torchtitan checkpoint) holds instead of wqkv: FusedQKVLinear's
+# state-dict hooks split it into stock wq/wk/wv on save (and merge them on load)
+SPLIT_QKV = {"q": "attention.qkv_linear.wq.weight", "k": "attention.qkv_linear.wk.weight",
+             "v": "attention.qkv_linear.wv.weight"}
 GLOBAL_NAMES = {"embed": "tok_embeddings.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight"}
 
 
@@ -140,8 +144,11 @@ def _swap(shape):
     return shape[:-2] + (shape[-1], shape[-2])
 
 
-def titan_entries(cfg: Config) -> list[TitanEntry]:
-    """Every torchtitan tensor of ``cfg`` (``tok_embeddings``, layers 0.., ``norm``, ``lm_head``)."""
+def titan_entries(cfg: Config, split_qkv: bool = False) -> list[TitanEntry]:
+    """Every torchtitan tensor of ``cfg`` (``tok_embeddings``, layers 0.., ``norm``, ``lm_head``):
+    the module's parameters, or with ``split_qkv`` its *state dict* (what checkpoints hold),
+    where a GQA layer's fused ``wqkv`` is three tensors ``wq`` / ``wk`` / ``wv`` -- the rows
+    :meth:`TitanEntry.rows` picks, in that order (torchtitan ``FusedQKVLinear._split_qkv_on_save``)."""
     m = cfg.model
     out = [TitanEntry(GLOBAL_NAMES["embed"], "params/embed", (), False, (m.vocab_size, m.d_model))]
     stacks = ([("dense", 0, m.first_k_dense)] if m.first_k_dense else []) + \
@@ -156,7 +163,12 @@ def titan_entries(cfg: Config) -> list[TitanEntry]:
                 if path in ("attn/q_proj", "attn/k_proj", "attn/v_proj") and m.attention == "gqa":
                     hd, kv = m.head_dim, m.n_kv_heads
                     full = ((m.n_heads + 2 * kv) * hd, m.d_model)
-                    out.append(TitanEntry(pre + WQKV, key, (row,), True, full, path[-6], n_kv=kv,
+                    part = path[-6]
+                    if split_qkv:
+                        heads = m.n_heads if part == "q" else kv
+                        out.append(TitanEntry(pre + SPLIT_QKV[part], key, (row,), True, (heads * hd, m.d_model)))
+                        continue
+                    out.append(TitanEntry(pre + WQKV, key, (row,), True, full, part, n_kv=kv,
                                          per_kv=m.n_heads // kv, head_dim=hd))
                     continue
                 transpose = len(jshape) >= 2
@@ -179,10 +191,16 @@ def leaf_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return {k: ((rows[k],) if k in rows else ()) + s for k, s in inner.items()}
 
 
-def _get(tensor: np.ndarray, ent: TitanEntry) -> np.ndarray:
-    """The jaxmoe slice of one torchtitan tensor (its q/k/v rows for wqkv)."""
+def jax_part(tensor: np.ndarray, ent: TitanEntry) -> np.ndarray:
+    """The jaxmoe slice of one torchtitan tensor (its q/k/v rows for wqkv), as a view where it can be."""
     a = tensor[ent.rows()] if ent.qkv else tensor
     return np.swapaxes(a, -1, -2) if ent.transpose else a
+
+
+def titan_part(leaf_slice: np.ndarray, ent: TitanEntry) -> np.ndarray:
+    """The torchtitan tensor (or, for wqkv, its q/k/v rows) of one jaxmoe leaf slice
+    ``leaf[ent.index]``: :func:`jax_part` inverted."""
+    return np.swapaxes(leaf_slice, -1, -2) if ent.transpose else leaf_slice
 
 
 def to_titan(cfg: Config, params, buffers=None, *, with_buffers: bool = True) -> dict[str, np.ndarray]:
@@ -210,8 +228,9 @@ def to_titan(cfg: Config, params, buffers=None, *, with_buffers: bool = True) ->
     return out
 
 
-def from_titan(cfg: Config, tensors: dict) -> dict[str, np.ndarray]:
-    """{torchtitan name: array} -> {"params/..." / "buffers/...": stacked fp32 leaf}.
+def from_titan(cfg: Config, tensors: dict, split_qkv: bool = False) -> dict[str, np.ndarray]:
+    """{torchtitan name: array} -> {"params/..." / "buffers/...": stacked fp32 leaf} (a state
+    dict's names with ``split_qkv``, see :func:`titan_entries`).
 
     Every tensor of the table must be present with its shape (one line naming the first that is
     not); tensors the table does not know are left out (e.g. ``tokens_per_expert_E``)."""
@@ -219,18 +238,18 @@ def from_titan(cfg: Config, tensors: dict) -> dict[str, np.ndarray]:
 
     shapes = leaf_shapes(cfg)
     out = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-    for ent in titan_entries(cfg):
+    for ent in titan_entries(cfg, split_qkv):
         if ent.name not in tensors:
             raise UserError(f"torchtitan tensor {ent.name} is missing (config {cfg.model.name})")
         t = np.asarray(tensors[ent.name], dtype=np.float32)
         if tuple(t.shape) != ent.shape:
             raise UserError(f"torchtitan tensor {ent.name}: shape {tuple(t.shape)}, the config says {ent.shape}")
         if ent.index:
-            out[ent.key][ent.index] = _get(t, ent)
+            out[ent.key][ent.index] = jax_part(t, ent)
         else:
-            out[ent.key] = np.ascontiguousarray(_get(t, ent))
+            out[ent.key] = np.ascontiguousarray(jax_part(t, ent))
     return out
 
 
-__all__ = ["GLOBAL_NAMES", "LAYER_NAMES", "TitanEntry", "WQKV", "from_titan", "leaf_shapes", "titan_entries",
-           "to_titan"]
+__all__ = ["GLOBAL_NAMES", "LAYER_NAMES", "SPLIT_QKV", "TitanEntry", "WQKV", "from_titan", "jax_part", "leaf_shapes",
+           "titan_entries", "titan_part", "to_titan"]

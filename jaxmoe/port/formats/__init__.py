@@ -5,7 +5,8 @@ protocol is :mod:`jaxmoe.port.formats.base`):
 
 * ``hf``    :mod:`jaxmoe.port.formats.hf`    - a HuggingFace checkpoint directory;
 * ``orbax`` :mod:`jaxmoe.port.formats.orbax` - a jaxmoe run dir (Orbax checkpoint);
-* ``torch`` :mod:`jaxmoe.port.formats.torch` - torch_ref's single safetensors file.
+* ``torch`` :mod:`jaxmoe.port.formats.torch` - torch_ref's single safetensors file;
+* ``dcp``   :mod:`jaxmoe.port.formats.dcp`   - a torchtitan checkpoint step (DCP), read.
 
 Adding a format is one module implementing the protocol plus one row here: ``convert``,
 ``logits``, ``--verify`` and ``train --init-from`` reach it through :func:`parse_endpoint`,
@@ -16,13 +17,14 @@ commands take its :class:`~.base.Option` flags from :func:`add_arguments`.
 from __future__ import annotations
 
 from jaxmoe.errors import UserError
-from jaxmoe.port.formats import hf, orbax, torch
+from jaxmoe.port.formats import dcp, hf, orbax, torch
 from jaxmoe.port.formats.base import Endpoint, Format, Option, Source
 
 FORMATS: dict[str, type[Format]] = {
     "hf": hf.HfFormat,
     "orbax": orbax.OrbaxFormat,
     "torch": torch.TorchFormat,
+    "dcp": dcp.DcpFormat,
 }
 
 ROLE_WORDS = {"source": "sources", "sink": "destinations"}

@@ -64,6 +64,15 @@ class Option:
         return self.parse(given) if self.parse is not None else given
 
 
+#: the model of a checkpoint that holds no config (``dcp:``; an ``hf:`` folder without
+#: config.json, as torchtitan's HF export writes): :func:`jaxmoe.config_cli.named_config`
+TITAN_OPTION = Option(
+    "titan", "--titan", "source",
+    help="the model of a dcp: checkpoint (which holds no config) or of an hf: folder without "
+         "config.json (torchtitan's HF export): a torchtitan FAMILY/FLAVOR, e.g. "
+         "deepseek_v3/debugmodel (needs the [titan] extra), or a jaxmoe preset / config .toml")
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """A checkpoint location: its format, path and format options (syntax and flag values)."""
@@ -201,6 +210,9 @@ class Format:
     #: packages are installed (``jax``: jaxmoe's own format; ``hf``: transformers; ``torch``:
     #: torch_ref); ``convert --verify`` runs the side not read through jaxmoe's mapping in one
     verify_frameworks: ClassVar[tuple[str, ...]] = ("jax",)
+    #: a destination holds only models their HF architecture expresses (``convert`` checks
+    #: ``model.hf_arch`` before reading); False for jaxmoe's own run dirs
+    hf_arch_only: ClassVar[bool] = True
     #: the dtype leaves are written in without ``--dtype`` (None: the source's)
     default_dtype: ClassVar[np.dtype | None] = None
     #: what :meth:`is_output` recognises, for ``--force``'s refusal
@@ -239,4 +251,4 @@ class Format:
         return False
 
 
-__all__ = ["Endpoint", "Format", "Option", "Sink", "Source", "shape_text"]
+__all__ = ["TITAN_OPTION", "Endpoint", "Format", "Option", "Sink", "Source", "shape_text"]

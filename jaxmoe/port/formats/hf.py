@@ -22,10 +22,11 @@ import numpy as np
 
 from jaxmoe.archs.base import LAYOUTS
 from jaxmoe.config import Config
+from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import from_hf_config, to_hf_config
 from jaxmoe.port import hf_map
-from jaxmoe.port.formats.base import Endpoint, Format, Option, Sink, Source, shape_text
+from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, Sink, Source, shape_text
 from jaxmoe.port.hf_meta import merge_into_hf_dir
 from jaxmoe.port.safetensors_io import (
     SafetensorsReader,
@@ -230,8 +231,16 @@ class HfSource(HfTensorSource):
         if not ep.path.is_dir():
             raise UserError(f"{ep}: not a directory")
         cfg_file = ep.path / "config.json"
+        spec = ep.options.get("titan")
+        if spec:  # torchtitan's HF export: safetensors without config.json
+            if cfg_file.exists():
+                raise UserError(f"{ep}: has a config.json; --titan names the model of a folder "
+                                "without one (torchtitan's HF export): drop --titan")
+            self.config_what = f"--titan {spec}"
+            return named_config(spec), SafetensorsReader(ep.path)
         if not cfg_file.exists():
-            raise UserError(f"{ep}: config.json is missing")
+            raise UserError(f"{ep}: config.json is missing (torchtitan's HF export has none: "
+                            "name its model with --titan FAMILY/FLAVOR)")
         try:
             hf_cfg = json.loads(cfg_file.read_text())
         except ValueError as e:
@@ -363,6 +372,7 @@ class HfFormat(Format):
     help = ("a HuggingFace checkpoint directory (config.json + model.safetensors or sharded "
             "model-*-of-*.safetensors with its index; hub tensor names, either expert layout)")
     options = (
+        TITAN_OPTION,
         Option("shard_size", "--shard-size", "sink", parse=parse_size,
                help="hf: output shard size, e.g. 5GB or 500MB (default: one file)"),
         Option("hf_layout", "--hf-layout", "sink", choices=LAYOUTS, default=LAYOUTS[0],

@@ -22,6 +22,16 @@ from jaxmoe.port.hf_meta import HF_META_DIR, keep_in_run_dir
 from jaxmoe.run_dir import RunDir
 
 
+def leaf_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Every leaf of ``cfg``'s model (``params/...`` trained, ``buffers/...``) with its shape,
+    from the model's own declarations: a run dir holds any model jaxmoe trains, also one no HF
+    architecture expresses (same leaves as :func:`jaxmoe.port.hf_map.leaf_shapes` where one does)."""
+    from jaxmoe.model.transformer import model_declarations  # late: jax
+
+    return {("params/" if d.trained else "buffers/") + k: tuple(d.shape)
+            for k, d in model_declarations(cfg).items()}
+
+
 class OrbaxSource(Source):
     """A run dir's checkpoint (``ep.options["step"]``, default the latest), one leaf at a time.
 
@@ -74,7 +84,7 @@ class OrbaxSource(Source):
         self._validate()
 
     def _validate(self) -> None:
-        shapes = hf_map.leaf_shapes(self.cfg)
+        shapes = leaf_shapes(self.cfg)
         for key, (shape, _dt) in self.meta.items():
             if key not in shapes:
                 raise UserError(f"{self.ep}: unexpected leaf {key} {shape_text(shape)} for its "
@@ -169,11 +179,14 @@ class OrbaxSink(Sink):
         self.scratch = target.parent / "leaves"
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.files: dict[str, tuple[Path | None, tuple, np.dtype, np.ndarray | None]] = {}
-        self.tensors = len(hf_map.entries(cfg))
+        try:  # convert reports HF tensors; a model HF cannot express (torchtitan's softmax
+            self.tensors = len(hf_map.entries(cfg))  # DeepSeek-V3 flavors): its leaves
+        except UserError:
+            self.tensors = len(leaf_shapes(cfg))
 
     @staticmethod
     def _check_disk(cfg: Config, dtypes: dict, where: Path, log) -> None:
-        shapes = hf_map.leaf_shapes(cfg)
+        shapes = leaf_shapes(cfg)
         model = sum(int(np.prod(shapes[k], dtype=np.int64)) * np.dtype(dt).itemsize
                     for k, dt in dtypes.items())
         need = 2 * model  # scratch copy + the checkpoint (removed scratch leaves no trace)
@@ -232,6 +245,7 @@ class OrbaxFormat(Format):
     help = ("a jaxmoe run dir (config.toml + checkpoints/<step>/): its latest checkpoint, or "
             "step STEP when reading")
     verify_frameworks = ("jax",)
+    hf_arch_only = False  # a run dir holds any model jaxmoe trains
     default_dtype = np.dtype(np.float32)  # jaxmoe master params are fp32
     output_what = "a jaxmoe run folder"
 

@@ -1,0 +1,273 @@
+"""The ``dcp:STEP_DIR`` format: a torchtitan checkpoint step (``torch.distributed.checkpoint``),
+read and written.
+
+torchtitan's ``CheckpointManager`` saves the model's tensors flat under their native names (mapped
+to jaxmoe leaves by the one table, :mod:`jaxmoe.port.titan_map`) and, in a full checkpoint,
+``optimizer.*``, ``lr_scheduler.*``, ``dataloader`` and ``train_state.*`` beside them (recognised
+and skipped for weights). A checkpoint holds no model config: the ``--titan`` option names it, a
+torchtitan ``FAMILY/FLAVOR`` (e.g. ``deepseek_v3/debugmodel``) or a jaxmoe preset / config
+``.toml``. The step directory is read by :mod:`jaxmoe.port.dcp_io`, which runs no code from it.
+
+Tensors are read one at a time: a leaf is assembled from its torchtitan tensors, each from its
+chunks, so memory holds about one tensor plus the leaf being filled.
+
+Writing (:class:`DcpSink`, needs torch: the bytes are torch's own) produces the model-only step
+torchtitan's ``CheckpointManager`` loads (``checkpoint.initial_load_path`` with
+``initial_load_model_only``) and ``torch.distributed.checkpoint.load`` restores into the flavor's
+state dict: one ``__0_0.distcp`` holding each torchtitan tensor as the bytes ``torch.save`` writes
+(what DCP's ``FileSystemWriter`` writes), written as its leaf arrives, then ``.metadata`` pickled
+from DCP's own metadata classes. A config without an expert bias gets all-zero
+``moe.expert_bias_E`` tensors (torchtitan keeps that buffer whenever its flavor sets
+``load_balance_coeff``, also for softmax routers; a model without it ignores them).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+
+from jaxmoe.config import Config
+from jaxmoe.config_cli import named_config
+from jaxmoe.errors import UserError
+from jaxmoe.port import titan_map
+from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
+from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Sink, Source, shape_text
+
+# --------------------------------------------------------------------------------------------
+# The source
+# --------------------------------------------------------------------------------------------
+
+
+EXPERT_BIAS = "moe.expert_bias_E"
+DATA_FILE = "__0_0.distcp"  # what rank 0 of a DCP save writes
+
+
+def check_titan_names(names, shape_of, entries, what: str, config_what: str) -> list[str]:
+    """Every tensor of the mapping present with its shape; every other name a training-state entry
+    (one line naming the first problem and how many more, unknown names listed). Returns the
+    expert biases the config has no place for (torchtitan keeps one for softmax routers too):
+    the caller accepts them only when zero."""
+    expected = {e.name: e for e in entries}
+    problems, unknown, biases = [], [], []
+    for name, ent in expected.items():
+        if name not in names:
+            problems.append(f"missing tensor {name} (expected shape {shape_text(ent.shape)} from {config_what})")
+        elif tuple(shape_of(name)) != ent.shape:
+            problems.append(f"tensor {name} has shape {shape_text(shape_of(name))} in the checkpoint "
+                            f"but {config_what} says {shape_text(ent.shape)}")
+    for name in names:
+        if name in expected or name.split(".", 1)[0] in TRAINING_STATE:
+            continue
+        if name.endswith("." + EXPERT_BIAS):
+            biases.append(name)
+        else:
+            unknown.append(name)
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
+        problems.append(f"{len(unknown)} tensors {config_what} has no place for: {shown}")
+    if len(problems) == len(expected) + (1 if unknown else 0) and expected:
+        raise UserError(f"{what}: none of {config_what}'s torchtitan tensors is there (not a "
+                        f"torchtitan checkpoint of this model?); it holds {len(names)} entries, e.g. "
+                        f"{', '.join(list(names)[:4])}")
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise UserError(f"{what}: {problems[0]}{more}")
+    return biases
+
+
+class DcpSource(Source):
+    """A torchtitan DCP step as jaxmoe leaves (the config from ``--titan``)."""
+
+    def __init__(self, ep: Endpoint):
+        self.ep = ep
+        self.notices: list[str] = []
+        self.dir = DcpDir(ep.path, str(ep))
+        spec = ep.options.get("titan")
+        if not spec:
+            raise UserError(f"{ep}: a DCP checkpoint holds no model config; name it with --titan "
+                            "FAMILY/FLAVOR (e.g. deepseek_v3/debugmodel) or a jaxmoe preset / config .toml")
+        self.cfg = named_config(spec)
+        self.entries = titan_map.titan_entries(self.cfg, split_qkv=True)
+        names = list(self.dir.tensors) + self.dir.byte_items
+        biases = check_titan_names(names, lambda n: self.dir.shape(n) if n in self.dir.tensors else (),
+                                   self.entries, str(ep), f"--titan {spec}")
+        self.dir.check_files()
+        for name in biases:
+            if name not in self.dir.tensors or np.any(self.dir.read(name).astype(np.float32) != 0):
+                raise UserError(f"{ep}: tensor {name} is non-zero but --titan {spec} has no expert "
+                                "bias (jaxmoe's aux-loss-free bias is sigmoid-only)")
+        if biases:
+            self.notices.append(f"note: {ep}: {len(biases)} all-zero {EXPERT_BIAS} tensors skipped "
+                                "(the config has no expert bias)")
+        self.groups: dict[str, list[titan_map.TitanEntry]] = {}
+        for ent in self.entries:
+            self.groups.setdefault(ent.key, []).append(ent)
+            self.dir.dtype(ent.name)  # a dtype jaxmoe reads
+        self.shapes = titan_map.leaf_shapes(self.cfg)
+        skipped = sorted({n.split(".", 1)[0] for n in names if n.split(".", 1)[0] in TRAINING_STATE})
+        if skipped:
+            self.notices.append(f"note: {ep}: skipping the training state ({', '.join(skipped)}): "
+                                "weights only")
+        self._cache: tuple[str, np.ndarray] | None = None
+
+    def keys(self) -> list[str]:
+        return list(self.groups)
+
+    def leaf_dtype(self, key: str) -> np.dtype:
+        if key.startswith("buffers/"):
+            return np.dtype(np.float32)
+        dts = {self.dir.dtype(e.name) for e in self.groups[key]}
+        return dts.pop() if len(dts) == 1 else np.dtype(np.float32)
+
+    def _tensor(self, name: str) -> np.ndarray:
+        """One torchtitan tensor; the last is kept (a layer view reads it once for all its slices)."""
+        if self._cache is None or self._cache[0] != name:
+            self._cache = None
+            self._cache = (name, self.dir.read(name))
+        return self._cache[1]
+
+    def _fill(self, ents, out: np.ndarray) -> np.ndarray:
+        for ent in ents:
+            part = titan_map.jax_part(self._tensor(ent.name), ent)
+            if ent.index:
+                out[ent.index] = part
+            else:
+                out[...] = part
+        self._cache = None
+        return out
+
+    def read_leaf(self, key: str, dtype=None, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.empty(self.shapes[key], dtype or self.leaf_dtype(key))
+        return self._fill(self.groups[key], out)
+
+    def leaf_view(self, key: str, dtype=None):
+        """The leaf as a :class:`LeafView`: ``view[index]`` reads only that layer's torchtitan
+        tensor (kept while consecutive indices fall in it), never the whole stacked leaf."""
+        return LeafView(self, key, np.dtype(dtype or self.leaf_dtype(key)))
+
+    def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
+        ents = self.groups[key]
+        if not ents[0].index:
+            return self.read_leaf(key, dtype)
+        shape = (min(n, self.shapes[key][0]),) + tuple(self.shapes[key][1:])
+        out = np.empty(shape, dtype or self.leaf_dtype(key))
+        return self._fill([e for e in ents if e.index[0] < n], out)
+
+    def content_files(self) -> list[Path]:
+        return [self.ep.path / ".metadata"] + self.dir.files()
+
+
+class LeafView:
+    """A leaf of a :class:`DcpSource` read one layer's torchtitan tensor at a time."""
+
+    def __init__(self, src: DcpSource, key: str, dtype: np.dtype):
+        self.src, self.key, self.dtype = src, key, dtype
+        self.shape = tuple(src.shapes[key])
+        self.ndim = len(self.shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
+        self.rows = {e.index: e for e in src.groups[key]}
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        if () in self.rows:  # a global leaf: one tensor
+            return self.src.read_leaf(self.key, self.dtype)[index]
+        ent = self.rows[(int(index[0]),)]
+        part = titan_map.jax_part(self.src._tensor(ent.name), ent)[index[1:]]
+        return np.asarray(part, self.dtype)
+
+
+def _torch():
+    """torch, or the one-line error naming the extra that brings it."""
+    try:
+        import torch
+    except ImportError:
+        from jaxmoe.extras import hint
+
+        raise UserError(hint("torch", "writing a dcp: checkpoint")) from None
+    return torch
+
+
+class DcpSink(Sink):
+    """A model-only torchtitan DCP step, one torchtitan tensor at a time (see the module doc)."""
+
+    takes_views = True  # only ``arr[layer]`` is read: a lazy source view never holds the leaf
+
+    def __init__(self, target: Path, cfg: Config):
+        self.torch = _torch()
+        self.target, self.cfg = target, cfg
+        self.groups: dict[str, list[titan_map.TitanEntry]] = {}
+        for ent in titan_map.titan_entries(cfg, split_qkv=True):
+            self.groups.setdefault(ent.key, []).append(ent)
+        self.written: dict[str, tuple[tuple, object, int, int]] = {}  # name -> shape, dtype, offset, length
+        target.mkdir(parents=True)
+        self.file = open(target / DATA_FILE, "wb")
+
+    def write_leaf(self, key: str, arr) -> None:
+        for ent in self.groups[key]:
+            self._write(ent.name, titan_map.titan_part(np.asarray(arr[ent.index]), ent))
+
+    def _write(self, name: str, a: np.ndarray) -> None:
+        torch = self.torch
+        a = np.ascontiguousarray(a)
+        if a.dtype == DTYPES["bfloat16"]:
+            t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(a)
+        at = self.file.tell()
+        torch.save(t, self.file)
+        self.written[name] = (tuple(a.shape), t.dtype, at, self.file.tell() - at)
+
+    def finish(self) -> None:
+        m = self.cfg.model
+        if not self.cfg.moe.use_expert_bias:
+            for layer in range(m.first_k_dense, m.n_layers):
+                self._write(f"layers.{layer}.{EXPERT_BIAS}", np.zeros(self.cfg.moe.n_experts, np.float32))
+        self.file.close()
+        import torch.distributed.checkpoint.filesystem as fs  # late: torch
+        import torch.distributed.checkpoint.metadata as dm
+
+        torch = self.torch
+        sdm, storage = {}, {}
+        for name, (shape, dtype, at, length) in self.written.items():
+            zeros = torch.Size([0] * len(shape))
+            sdm[name] = dm.TensorStorageMetadata(
+                properties=dm.TensorProperties(dtype=dtype), size=torch.Size(shape),
+                chunks=[dm.ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(shape))])
+            storage[dm.MetadataIndex(name, zeros, 0)] = fs._StorageInfo(DATA_FILE, at, length)
+        md = dm.Metadata(state_dict_metadata=sdm, planner_data={n: (n,) for n in sdm},
+                         storage_data=storage, version=fs.CURRENT_DCP_VERSION)
+        with open(self.target / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+        self.tensors = len(sdm)
+
+
+class DcpFormat(Format):
+    scheme = "dcp"
+    syntax = "dcp:STEP_DIR"
+    help = ("a torchtitan checkpoint step (torch.distributed.checkpoint: .metadata + __R_0.distcp "
+            "files, full or model-only; the model config from --titan)")
+    options = (TITAN_OPTION,)
+    hf_arch_only = False  # torchtitan's own layout: any model titan_map maps
+    output_what = "a DCP step directory (.metadata)"
+
+    @classmethod
+    def open_source(cls, ep: Endpoint) -> DcpSource:
+        return DcpSource(ep)
+
+    @classmethod
+    def check_sink(cls, ep: Endpoint) -> None:
+        _torch()
+
+    @classmethod
+    def open_sink(cls, ep: Endpoint, target: Path, cfg: Config, dtypes: dict, log) -> DcpSink:
+        return DcpSink(target, cfg)
+
+    @classmethod
+    def is_output(cls, path: Path) -> bool:
+        return (path / ".metadata").is_file()
+
+
+__all__ = ["DcpFormat", "DcpSink", "DcpSource", "check_titan_names"]
