@@ -1,5 +1,7 @@
 """torchtitan (the seed's framework) as a reference: the flavor -> config mapping, the one
-torchtitan name map, and an fp32 parity run against torchtitan's own model (issue 26).
+torchtitan name map, an fp32 parity run against torchtitan's own model (issue 26), and
+three-way consistency: jaxmoe's HF export of a torchtitan checkpoint == torchtitan's own
+``to_hf``, both run by transformers.
 
 Everything that needs torchtitan is skipped, with the reason, when it is not importable; CI
 installs it (``pip install -e '.[titan]'`` in .ci/run), so they run there. The name-map round
