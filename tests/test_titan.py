@@ -476,12 +476,18 @@ def test_hf_export_equals_torchtitans_to_hf(tmp_path, capsys):
     shutil.copy(tmp_path / "b" / "config.json", tmp_path / "a" / "config.json")
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 16)))
     logits = []
-    for route in ("a", "b"):
-        hf, info = DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / route), dtype=torch.float32,
-                                                         output_loading_info=True)
-        assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
-        with torch.no_grad():
-            logits.append(hf.eval()(tokens).logits.numpy())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bitwise repeatable forwards (on 2 threads CPU kernels are not)
+    try:
+        for route in ("a", "b"):
+            hf, info = DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / route), dtype=torch.float32,
+                                                             output_loading_info=True)
+            assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys",
+                                                 "error_msgs")), info
+            with torch.no_grad():
+                logits.append(hf.eval()(tokens).logits.numpy())
+    finally:
+        torch.set_num_threads(threads)
     assert np.array_equal(logits[0], logits[1])
     with torch.no_grad():
         want = model(tokens).numpy()
