@@ -40,10 +40,7 @@ def _count_add_args(p):
 
 
 def _count_run(args) -> int:
-    notes: list[str] = []
-    cfg = config_from_args(args, notes)
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
+    cfg = config_from_args(args)
     c = count_params(cfg)
     if args.json:
         print(json.dumps(c, indent=2))

@@ -65,13 +65,18 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args, notes=None):
-    """--preset / --config / --set, or ``--from-titan`` (where the command has it) + --set."""
+def config_from_args(args):
+    """--preset / --config / --set, or ``--from-titan`` (where the command has it) + --set; what a
+    flavor's mapping leaves out is printed as ``note:`` lines on stderr."""
     spec = getattr(args, "from_titan", None)
     if spec:
         if args.preset or args.config:
             raise UserError("--from-titan replaces --preset / --config: give one of them")
-        return titan_config(spec, args.overrides, notes)
+        notes: list[str] = []
+        cfg = titan_config(spec, args.overrides, notes)
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        return cfg
     return load_config(preset=args.preset, path=args.config, overrides=args.overrides)
 
 
@@ -82,10 +87,7 @@ def add_args(p) -> None:
 
 
 def run(args) -> int:
-    notes: list[str] = []
-    cfg = config_from_args(args, notes)
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
+    cfg = config_from_args(args)
     text = config_to_toml(cfg)
     if args.out:
         with open(args.out, "w") as f:

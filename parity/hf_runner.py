@@ -13,7 +13,6 @@ left out. HF's ``aux_loss`` is reported as a figure when the scopes differ.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 
 from parity.checks import (
@@ -26,6 +25,7 @@ from parity.checks import (
     first_divergence,
 )
 from parity.hf_side import HFSide, lb_pooled
+from parity.report import assemble
 from parity.sides import JaxSide, init_weights, make_batches, setup_numerics, to_hf, to_numpy
 from parity.tolerances import tolerances_for
 
@@ -86,19 +86,12 @@ def run_hf_suite(opts, cfg, n_steps: int) -> dict:
         compare_steps(cfg, jt, ht, bias, n_steps, tol, checks, params0=hf)
 
     items = checks.items
-    report = {
-        "passed": all(c["passed"] for c in items),
-        "name": opts.label if opts.label.endswith("-hf") else opts.label + "-hf", "reference": "hf",
-        "first_divergence": first_divergence(items), "checks": items, "n_checks": len(items),
-        "n_failed": sum(not c["passed"] for c in items), "routing": routing,
-        "comparison_routing": "natural (transformers cannot replay a routing)", "loss_curves": curves,
-        "layer_errors": layer_errors, "grad_worst": sorted(grad_worst.items(), key=lambda kv: -kv[1])[:10],
-        "tolerances": tol.to_dict(), "options": dataclasses.asdict(opts), "steps": n_steps, "mesh": None,
-        "fault": None, "config": cfg.to_dict(), "hf_aux_loss": hfw["losses"].get("lb"),
-        "lb_compared": lb_pooled(cfg), "timings_s": {k: round(v, 3) for k, v in timings.items()},
-    }
-    report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
-    return report
+    return assemble(
+        opts.label if opts.label.endswith("-hf") else opts.label + "-hf", items,
+        first_divergence=first_divergence(items), routing=routing,
+        comparison_routing="natural (transformers cannot replay a routing)", curves=curves,
+        layer_errors=layer_errors, grad_worst=grad_worst, tol=tol, opts=opts, n_steps=n_steps, cfg=cfg,
+        timings=timings, t0=t0, reference="hf", hf_aux_loss=hfw["losses"].get("lb"), lb_compared=lb_pooled(cfg))
 
 
 __all__ = ["hf_objective_config", "run_hf_suite"]

@@ -13,8 +13,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
+
+
+def assemble(name: str, items: list[dict], *, first_divergence: dict | None, routing, comparison_routing: str,
+             curves, layer_errors, grad_worst: dict, tol, opts, n_steps: int, cfg, timings: dict, t0: float,
+             mesh=None, fault=None, **extra) -> dict:
+    """The report of one parity run (any reference): verdict, checks, what was compared, the run's
+    options and config, timings (``t0``: when the run started); ``extra``: a reference's own fields."""
+    report = {
+        "passed": all(c["passed"] for c in items),
+        "name": name,
+        "first_divergence": first_divergence,
+        "checks": items,
+        "n_checks": len(items),
+        "n_failed": sum(not c["passed"] for c in items),
+        "routing": routing,
+        "comparison_routing": comparison_routing,
+        "loss_curves": curves,
+        "layer_errors": layer_errors,
+        "grad_worst": sorted(grad_worst.items(), key=lambda kv: -kv[1])[:10],
+        "tolerances": tol.to_dict(),
+        "options": dataclasses.asdict(opts),
+        "steps": n_steps,
+        "mesh": mesh,
+        "fault": fault,
+        "config": cfg.to_dict(),
+        **extra,
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+    report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
+    return report
 
 
 def _fmt(x) -> str:
@@ -173,4 +205,4 @@ def write_summary(rows: list[dict], out: str | Path) -> str:
     return format_table(rows, cols)
 
 
-__all__ = ["format_table", "plot", "summary_row", "to_markdown", "write_report", "write_summary"]
+__all__ = ["assemble", "format_table", "plot", "summary_row", "to_markdown", "write_report", "write_summary"]

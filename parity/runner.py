@@ -30,7 +30,6 @@ re-exported from :mod:`parity.sides` and :mod:`parity.checks`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import time
@@ -50,6 +49,7 @@ from parity.checks import (
     first_divergence,
     selection_gap,
 )
+from parity.report import assemble
 from parity.sides import JaxSide, TorchSide, init_weights, make_batches, setup_numerics, to_hf, to_numpy
 from parity.tolerances import DEFAULT_INIT_SCALE, SIZE_PROFILES, tolerances_for
 
@@ -287,28 +287,12 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=hf)
 
     items = checks.items
-    report = {
-        "passed": all(c["passed"] for c in items),
-        "name": opts.label,
-        "first_divergence": first_divergence(items),
-        "checks": items,
-        "n_checks": len(items),
-        "n_failed": sum(not c["passed"] for c in items),
-        "routing": routing,
-        "comparison_routing": mode,
-        "loss_curves": curves,
-        "layer_errors": layer_errors,
-        "grad_worst": sorted(grad_worst.items(), key=lambda kv: -kv[1])[:10],
-        "tolerances": tol.to_dict(),
-        "options": dataclasses.asdict(opts),
-        "steps": n_steps,
-        "mesh": None if ctx is None else {"sizes": ctx.sizes, "dispatcher": ctx.dispatcher},
-        "fault": None if fault is None else fault.name,
-        "config": cfg.to_dict(),
-        "timings_s": {k: round(v, 3) for k, v in timings.items()},
-    }
-    report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
-    return report
+    return assemble(
+        opts.label, items, first_divergence=first_divergence(items), routing=routing, comparison_routing=mode,
+        curves=curves, layer_errors=layer_errors, grad_worst=grad_worst, tol=tol, opts=opts, n_steps=n_steps,
+        cfg=cfg, timings=timings, t0=t0,
+        mesh=None if ctx is None else {"sizes": ctx.sizes, "dispatcher": ctx.dispatcher},
+        fault=None if fault is None else fault.name)
 
 
 __all__ = ["Checks", "JaxSide", "RunOptions", "TorchSide", "build_config", "first_divergence", "init_weights",

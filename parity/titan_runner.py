@@ -31,7 +31,6 @@ the report): jaxmoe's bias is sigmoid-only.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
@@ -46,6 +45,7 @@ from parity.checks import (
     compare_steps,
     first_divergence,
 )
+from parity.report import assemble
 from parity.sides import JaxSide, decisiveness, init_weights, make_batches, setup_numerics, to_numpy
 from parity.tolerances import SIZE_PROFILES, tolerances_for
 
@@ -155,21 +155,15 @@ def run_titan_suite(opts, n_steps: int) -> dict:
         compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=params0)
 
     items = checks.items
-    name = opts.name or f"titan-{opts.titan.replace('/', '-')}-{opts.dtype}"
-    report = {
-        "passed": all(c["passed"] for c in items), "name": name, "reference": "torchtitan",
-        "titan": opts.titan, "titan_overrides": list(opts.titan_overrides), "notes": notes,
-        "first_divergence": first_divergence(items), "checks": items, "n_checks": len(items),
-        "n_failed": sum(not c["passed"] for c in items), "routing": routing,
-        "comparison_routing": "natural (torchtitan's router is not replayed)", "loss_curves": curves,
-        "layer_errors": layer_errors, "grad_worst": sorted(grad_worst.items(), key=lambda kv: -kv[1])[:10],
-        "decisiveness": decisiveness(cfg, tf["logits"], tf["aux"]["router"]["scores"], bias),
-        "init_scale": opts.init_scale, "tolerances": tol.to_dict(), "options": dataclasses.asdict(opts),
-        "steps": n_steps, "mesh": None,
-        "fault": None, "config": cfg.to_dict(), "timings_s": {k: round(v, 3) for k, v in timings.items()},
-    }
-    report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
-    return report
+    return assemble(
+        opts.name or f"titan-{opts.titan.replace('/', '-')}-{opts.dtype}", items,
+        first_divergence=first_divergence(items), routing=routing,
+        comparison_routing="natural (torchtitan's router is not replayed)", curves=curves,
+        layer_errors=layer_errors, grad_worst=grad_worst, tol=tol, opts=opts, n_steps=n_steps, cfg=cfg,
+        timings=timings, t0=t0, reference="torchtitan", titan=opts.titan,
+        titan_overrides=list(opts.titan_overrides), notes=notes,
+        decisiveness=decisiveness(cfg, tf["logits"], tf["aux"]["router"]["scores"], bias),
+        init_scale=opts.init_scale)
 
 
 __all__ = ["TITAN_RUN_SCHEDULE", "run_titan_suite", "titan_config"]
