@@ -449,6 +449,9 @@ def test_hf_export_equals_torchtitans_to_hf(tmp_path, capsys):
     cfg.model.n_layers = 3
     torch.manual_seed(0)
     model = build_titan_model(titan)
+    # torchtitan's build leaves parameters uninitialised (torch.empty): whatever memory held, NaN
+    # at times, depending on what ran before; its own init makes them seeded
+    model.init_weights()
     with torch.no_grad():
         for mod in model.modules():
             if hasattr(mod, "expert_bias_E"):
