@@ -138,6 +138,11 @@ def _one(opts, out: Path, plots: bool) -> dict:
           f"{rep['timings_s']['total']:.1f}s) -> {out}")
     if fd:
         print(f"  first divergence: {fd['name']} ({fd['metric']} = {fd['value']:.3g} > {fd['tolerance']})")
+    parted = [c for c in rep["checks"] if c["name"].startswith("step_routing[") and c["passed"]]
+    for c in parted:
+        gaps = [x["max_near_tie_gap"] for x in c["layers"] if x["max_near_tie_gap"] is not None]
+        print(f"  training parted at step {c['step']} on a near-tie routing flip (gap {max(gaps, default=0):.2g} <= "
+              "tie_gap): later steps are reported as figures")
     return rep
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from jaxmoe.archs import get_arch
 from jaxmoe.config import Config
 from jaxmoe.errors import UserError
+from parity.checks import routing_record
 from parity.sides import TorchSide, to_numpy, torch_batch
 
 
@@ -167,19 +168,24 @@ class HFSide:
         e = self.cfg.moe
         with torch.no_grad():
             _, metrics, routers, logits = self.objective(torch_batch(batch))
-        lg = np.stack([to_numpy(r[0]) for r in routers]) if routers else np.zeros((0,))
-        if e.score_func == "sigmoid":
-            scores = 1 / (1 + np.exp(-lg.astype(np.float64)))
-        else:
-            ex = np.exp(lg - lg.max(-1, keepdims=True))
-            scores = ex / ex.sum(-1, keepdims=True)
-        idx = np.stack([to_numpy(r[2]).astype(np.int64) for r in routers]) if routers else np.zeros((0,))
+        lg, scores, idx = self._router_arrays(routers)
         w = np.stack([to_numpy(r[1]) for r in routers]) if routers else np.zeros((0,))
         counts = np.stack([np.bincount(i.ravel(), minlength=e.n_experts) for i in idx]) if routers else idx
         return {"logits": to_numpy(logits), "losses": metrics,
                 "aux": {"router": {"logits": lg, "scores": scores.astype(np.float32), "topk_idx": idx,
                                    "topk_weights": w},
                         "counts": counts, "dropped": np.zeros(len(idx), np.int64)}}
+
+    def _router_arrays(self, routers) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(router logits, scores, top-k ids) ``[Lm, T, ...]`` of the captured router outputs."""
+        lg = np.stack([to_numpy(r[0]) for r in routers]) if routers else np.zeros((0,))
+        if self.cfg.moe.score_func == "sigmoid":
+            scores = 1 / (1 + np.exp(-lg.astype(np.float64)))
+        else:
+            ex = np.exp(lg - lg.max(-1, keepdims=True))
+            scores = ex / ex.sum(-1, keepdims=True)
+        idx = np.stack([to_numpy(r[2]).astype(np.int64) for r in routers]) if routers else np.zeros((0,))
+        return lg, scores, idx
 
     def grads(self, batch: dict) -> dict[str, np.ndarray]:
         self.model.zero_grad(set_to_none=True)
@@ -220,10 +226,14 @@ class HFSide:
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         biases = [getattr(r, "e_score_correction_bias", None) for r in self.routers]
-        losses, counts, first = [], [], None
+        losses, counts, routing, first = [], [], [], None
         for i, b in enumerate(batches):
             opt.zero_grad(set_to_none=True)
+            bias_now = [to_numpy(x) for x in biases if x is not None]
             total, m, routers, _ = self.objective(torch_batch(b))
+            if routers:
+                _, scores, idx = self._router_arrays(routers)
+                routing.append(routing_record(self.cfg.moe, idx, scores, np.stack(bias_now) if bias_now else None))
             total.backward()
             for p in self.model.parameters():
                 if p.grad is None:
@@ -243,8 +253,8 @@ class HFSide:
                                                       e.bias_update_rule))
             if i == 0:
                 first = self._snapshot(biases)
-        return {"losses": losses, **self._snapshot(biases), "counts": counts, "params1": first["params"],
-                "bias1": first["bias"]}
+        return {"losses": losses, **self._snapshot(biases), "counts": counts, "routing": routing,
+                "params1": first["params"], "bias1": first["bias"]}
 
     def _snapshot(self, biases) -> dict:
         have = [b for b in biases if b is not None]

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxmoe.config import Config
 from jaxmoe.port.hf_map import ZERO, entries, flatten
-from parity.checks import selection_gap
+from parity.checks import routing_record, selection_gap
 
 # jax, torch, torch_ref and the jaxmoe modules that import jax at import time are imported inside
 # the functions that use them ("late" below): `import parity.runner` must not import jax or torch,
@@ -253,15 +253,28 @@ class JaxSide:
         if self.ctx is not None:
             state = self.ctx.place_state(state)
         step = make_train_step(self.model, tx, donate=False)
-        losses, counts, first = [], [], None
+        losses, counts, routing, first = [], [], [], None
         for i, b in enumerate(batches):
-            state, m = step(state, self.batch(b))
+            jb = self.batch(b)
+            # the step's routing, for the near-tie classification of a training flip: the same
+            # forward on the same state (its counts are checked against the step's own below)
+            _, aux = self._fwd(state["params"], state["buffers"], jb["inputs"], None)
+            bias = state["buffers"].get("moe", {}).get("expert_bias") if state["buffers"] else None
+            r = aux["router"]
+            rec = routing_record(cfg.moe, to_numpy(r["topk_idx"]), to_numpy(r["scores"]),
+                                 None if bias is None else to_numpy(bias))
+            state, m = step(state, jb)
             losses.append(float(m["loss"]))
             counts.append(np.rint(to_numpy(m["counts"])).astype(np.int64))
+            seen = np.stack([np.bincount(x.ravel(), minlength=cfg.moe.n_experts) for x in rec["idx"]])
+            if seen.shape == counts[-1].shape and (seen != counts[-1]).any():
+                rec["forward_differs"] = True  # a near-tie between the two compilations: reported, not hidden
+            routing.append(rec)
             if i == 0:  # after update 1: the optimizer faults are localised here
                 first = self._snapshot(state)
         out = self._snapshot(state)
-        return {"losses": losses, **out, "counts": counts, "params1": first["params"], "bias1": first["bias"]}
+        return {"losses": losses, **out, "counts": counts, "routing": routing, "params1": first["params"],
+                "bias1": first["bias"]}
 
     def _snapshot(self, state) -> dict:
         params, buffers = _tree_np(state["params"]), _tree_np(state["buffers"])
@@ -359,9 +372,11 @@ class TorchSide:
         # expert counts of each step, captured from the MoE blocks' aux (train_step returns none)
         seen: list = []
         blocks = model.moe_blocks()
-        hooks = [blk.register_forward_hook(lambda mod, inp, out, j=j: seen.append((j, to_numpy(out[1]["counts"]))))
+        hooks = [blk.register_forward_hook(
+            lambda mod, inp, out, j=j: seen.append((j, to_numpy(out[1]["counts"]), to_numpy(out[1]["topk_idx"]),
+                                                    to_numpy(out[1]["scores"]))))
                  for j, blk in enumerate(blocks)]
-        losses, counts, first = [], [], None
+        losses, counts, routing, first = [], [], [], None
         try:
             with self.patched():  # optimizer faults patch the optimizer's construction too
                 # looked up on the module while patched: a fault may replace make_optimizer
@@ -369,17 +384,24 @@ class TorchSide:
                 sched = ttrain.make_scheduler(opt, self.cfg)
                 for i, b in enumerate(batches):
                     seen.clear()
+                    biases = model.expert_biases()
+                    bias_now = np.stack([to_numpy(x) for x in biases]) if biases else None
                     losses.append(float(ttrain.train_step(model, opt, sched, torch_batch(b), self.cfg)["loss"]))
                     c = np.zeros((len(blocks), self.cfg.moe.n_experts), np.int64)
-                    for j, cj in seen:
+                    for j, cj, _, _ in seen:
                         c[j] += cj.astype(np.int64)
                     counts.append(c)
+                    if len(seen) == len(blocks):  # one forward (no micro-batches): its routing per token
+                        order = sorted(seen, key=lambda x: x[0])
+                        routing.append(routing_record(self.cfg.moe, np.stack([x[2] for x in order]),
+                                                      np.stack([x[3] for x in order]), bias_now))
                     if i == 0:  # after update 1: the optimizer faults are localised here
                         first = self._snapshot(model)
         finally:
             for h in hooks:
                 h.remove()
-        return {"losses": losses, **self._snapshot(model), "counts": counts, "params1": first["params"],
+        return {"losses": losses, **self._snapshot(model), "counts": counts,
+                "routing": routing if len(routing) == len(losses) else None, "params1": first["params"],
                 "bias1": first["bias"]}
 
     @staticmethod

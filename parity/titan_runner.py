@@ -148,7 +148,7 @@ def run_titan_suite(opts, n_steps: int) -> dict:
         jt = js.train(batches[:n_steps])
         timings["jax_steps"] = time.perf_counter() - t
         t = time.perf_counter()
-        tt = ts.train(batches[:n_steps], cfg.train, bias_hook=hook)
+        tt = ts.train(batches[:n_steps], cfg.train, bias_hook=hook, moe=cfg.moe)
         timings["torch_steps"] = time.perf_counter() - t
         curves = {"jax": jt["losses"], "torch": tt["losses"]}
         params0 = to_titan(cfg, params, None, with_buffers=False)

@@ -34,6 +34,7 @@ import copy
 import numpy as np
 
 from jaxmoe.errors import UserError
+from parity.checks import routing_record
 from parity.sides import to_numpy, torch_batch
 
 IGNORE_INDEX = -100  # torchtitan.components.loss.IGNORE_INDEX
@@ -179,7 +180,7 @@ class TitanSide:
         """The ``moe`` modules of the MoE layers, in layer order."""
         return [blk.moe for blk in self.model.layers.values() if getattr(blk, "moe_enabled", False)]
 
-    def train(self, batches: list[dict], tcfg, *, bias_hook: bool) -> dict:
+    def train(self, batches: list[dict], tcfg, *, bias_hook: bool, moe=None) -> dict:
         """``len(batches)`` training steps as torchtitan's ``Trainer.train_step`` makes them (one
         micro-batch, no parallelism), on a fresh copy of the initial weights:
 
@@ -197,7 +198,8 @@ class TitanSide:
         ``LRSchedulersContainer.Config(warmup_steps, decay_ratio, decay_type, min_lr_factor)
         .build(training_steps=tcfg.steps)``, and the bias hook when ``bias_hook`` (a stand-in for
         ``ParallelDims``: no mesh, no EP/TP). -> {"losses", "params" (by torchtitan name),
-        "bias" [Lm, E] or None, "counts" [Lm, E] per step, "params1", "bias1"}."""
+        "bias" [Lm, E] or None, "counts" [Lm, E] per step, "routing" (per step, with ``moe``, jaxmoe's
+        moe section: :func:`parity.checks.routing_record`), "params1", "bias1"}."""
         from torchtitan.components.optimizer import (
             LRSchedulersContainer,
             OptimizersContainer,
@@ -226,11 +228,16 @@ class TitanSide:
             register_moe_load_balancing_hook(optimizers, [model], NoParallelism())
         for b in blocks:
             b.tokens_per_expert_E.zero_()
-        losses, counts, first = [], [], None
+        losses, counts, routing, first = [], [], [], None
         n_exp = self.routers[0].num_experts if self.routers else 0
         for i, batch in enumerate(batches):
             optimizers.zero_grad()
+            bias_now = self._snapshot(bias_hook, params=False)["bias"]  # what this step's forward selects with
             loss, routers, _ = self.objective(torch_batch(batch))
+            if routers and moe is not None:
+                idx = np.stack([to_numpy(r[1][1]).reshape(-1, r[1][1].shape[-1]) for r in routers])
+                scores = np.stack([to_numpy(r[1][2]).reshape(idx.shape[1], -1) for r in routers])
+                routing.append(routing_record(moe, idx, scores, bias_now))
             loss.backward()
             if tcfg.grad_clip > 0:
                 dist_utils.clip_grad_norm_([p for p in model.parameters()], tcfg.grad_clip, foreach=True,
@@ -245,14 +252,16 @@ class TitanSide:
                                     for r in routers]) if routers else np.zeros((0, 0), np.int64))
             if i == 0:
                 first = self._snapshot(bias_hook)
-        return {"losses": losses, **self._snapshot(bias_hook), "counts": counts, "params1": first["params"],
-                "bias1": first["bias"]}
+        return {"losses": losses, **self._snapshot(bias_hook), "counts": counts, "routing": routing,
+                "params1": first["params"], "bias1": first["bias"]}
 
-    def _snapshot(self, with_bias: bool) -> dict:
-        params = dict(self.model.named_parameters())
+    def _snapshot(self, with_bias: bool, params: bool = True) -> dict:
         bias = (np.stack([to_numpy(b.expert_bias_E).astype(np.float32) for b in self.moe_blocks()])
                 if with_bias else None)
-        return {"params": {n: to_numpy(params[n].detach()).astype(np.float32) for n in self.names}, "bias": bias}
+        if not params:
+            return {"bias": bias}
+        named = dict(self.model.named_parameters())
+        return {"params": {n: to_numpy(named[n].detach()).astype(np.float32) for n in self.names}, "bias": bias}
 
 
 class NoParallelism:

@@ -207,3 +207,57 @@ def test_fault_expectations_match_literal_brackets_and_star():
     assert name_matches("grad:model.layers.1.mlp.experts.3.down_proj.weight", pat)
     assert not name_matches("grad:model.layers.2.mlp.experts.3.down_proj.weight", pat)
     assert not name_matches(None, ("(passes)",))
+
+
+def _steps_fixture(flip_gap: float):
+    """Three training steps of a 1-MoE-layer tiny config, identical on both sides except that at
+    step 1 token 0 takes expert 2 instead of 1 on the torch side, at a decision gap ``flip_gap``;
+    after it the losses and parameters part by 1e-3 (what a different expert choice does)."""
+    cfg = load_config("tiny", overrides=["model.n_layers=1", "model.first_k_dense=0", "train.seq_len=2"])
+    k, n_tok = cfg.moe.top_k, 4
+    same = np.tile(np.arange(k), (1, n_tok, 1))
+    flipped = same.copy()
+    flipped[0, 0, k - 1] = k
+    gap = np.full((1, n_tok), 0.2)
+    gap_flip = gap.copy()
+    gap_flip[0, 0] = flip_gap
+    counts = lambda idx: np.stack([np.bincount(x.ravel(), minlength=cfg.moe.n_experts) for x in idx])  # noqa: E731
+    p = {"w": np.ones(8, np.float32)}
+    jt = {"losses": [2.0, 1.9, 1.8], "params": p, "bias": None, "params1": p, "bias1": None,
+          "counts": [counts(same)] * 3, "routing": [{"idx": same, "gap": gap}] * 3}
+    tt = {"losses": [2.0, 1.9 * (1 + 1e-3), 1.8 * (1 + 1e-3)], "params": {"w": p["w"] * (1 + 1e-3)}, "bias": None,
+          "params1": p, "bias1": None, "counts": [counts(same), counts(flipped), counts(same)],
+          "routing": [{"idx": same, "gap": gap}, {"idx": flipped, "gap": gap_flip}, {"idx": same, "gap": gap}]}
+    return cfg, jt, tt
+
+
+def test_training_parts_at_a_near_tie_later_states_are_figures():
+    """A first training flip on a near-tie (gap 1e-7 <= tie_gap): everything before it strict,
+    step_routing[1] passes with 0 real flips, every check of a later state is a figure."""
+    from parity.checks import compare_steps
+
+    cfg, jt, tt = _steps_fixture(1e-7)
+    checks = Checks()
+    compare_steps(cfg, jt, tt, None, 3, FLOAT32_ADAMW, checks, params0={"w": np.zeros(8, np.float32)})
+    by = {c["name"]: c for c in checks.items}
+    assert all(c["passed"] for c in checks.items), [c for c in checks.items if not c["passed"]]
+    assert by["step_routing[1]"]["value"] == 0 and by["step_routing[1]"]["tolerance"] == 0
+    assert by["step_loss[0]"]["tolerance"] is not None and "after_parting" not in by["step_loss[0]"]
+    for name in ("step_loss[1]", "step_loss[2]", "step_routing", "step3_param:w"):
+        assert by[name]["tolerance"] is None and by[name]["after_parting"] == 1, name
+    assert [c["name"] for c in checks.items].index("step_routing[1]") < [c["name"] for c in checks.items].index(
+        "step_loss[1]")
+
+
+def test_training_flip_with_a_clear_gap_fails_where_it_happens():
+    """The same flip at a clear gap (0.2): a real flip, the first divergence is step_routing[1]
+    and the later states stay held to their tolerances."""
+    from parity.checks import compare_steps
+
+    cfg, jt, tt = _steps_fixture(0.2)
+    checks = Checks()
+    compare_steps(cfg, jt, tt, None, 3, FLOAT32_ADAMW, checks, params0={"w": np.zeros(8, np.float32)})
+    by = {c["name"]: c for c in checks.items}
+    assert by["step_routing[1]"]["value"] == 1 and not by["step_routing[1]"]["passed"]
+    assert first_divergence(checks.items)["name"] == "step_routing[1]"
+    assert by["step3_param:w"]["tolerance"] is not None and not by["step3_param:w"]["passed"]
