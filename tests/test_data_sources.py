@@ -48,6 +48,7 @@ def test_tokens_shards_doc_sep_and_stream(tmp_path, monkeypatch):
     d = tmp_path / "toks"
     (d / "sub").mkdir(parents=True)
     np.array([1, 2, 0, 3, 4, 0, 5], np.uint16).tofile(d / "a.bin")
+    (d / "aa.bin").write_bytes(b"")  # an empty shard holds no document
     np.save(d / "b.npy", np.array([6, 0, 0, 7], np.uint16))
     np.array([900, 8], np.uint16).tofile(d / "sub" / "c.bin")
     (d / "notes.md").write_text("skipped in a directory")
@@ -283,3 +284,24 @@ def test_bad_doc_sep_and_read_time_errors(tmp_path):
     assert len(src) == 3 and src[1].tolist() == [1, 2]
     with pytest.raises(UserError, match=r"record 2 of .*r.array_record is not an np.save array"):
         src[2]
+
+
+def test_iter_documents(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "b.txt").write_text("three")
+    assert list(sources.iter_documents(tmp_path)) == ["one", "two", "three"]
+    assert list(sources.iter_documents(str(tmp_path / "b.txt"))) == ["three"]
+
+
+@pytest.mark.parametrize("scheme, blocked", [("parquet", "pyarrow"), ("hfds", "pyarrow"),
+                                             ("arrayrecord", "array_record")])
+def test_missing_data_extra_is_one_line(tmp_path, monkeypatch, scheme, blocked):
+    import sys
+
+    for name in [n for n in sys.modules if n.split(".")[0] == blocked] + [blocked]:
+        monkeypatch.setitem(sys.modules, name, None)
+    (tmp_path / "x.parquet").write_bytes(b"")
+    (tmp_path / "x.array_record").write_bytes(b"")
+    (tmp_path / "state.json").write_text("{}")
+    with pytest.raises(UserError, match=rf"needs {blocked}, which is not installed: pip install 'jaxmoe\[data\]'"):
+        open_source(f"{scheme}:{tmp_path}")

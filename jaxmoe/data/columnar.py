@@ -85,15 +85,20 @@ class ArrowSource(Source):
         raise NotImplementedError(type(self).__name__)
 
     def _piece(self, p: int):
+        """Piece ``p``'s column, decoded; the last few kept (safe under Grain's reader threads)."""
         if getattr(self, "_cache", None) is None:
             self._cache = OrderedDict()
-        if p not in self._cache:
+        cache = self._cache
+        col = cache.get(p)
+        if col is None:
             k, part, _ = self.pieces[p]
-            self._cache[p] = self.read_piece(k, part)
-            while len(self._cache) > _KEEP:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(p)
-        return self._cache[p]
+            col = cache[p] = self.read_piece(k, part)
+            while len(cache) > _KEEP:
+                try:
+                    cache.popitem(last=False)
+                except KeyError:  # emptied by another thread meanwhile
+                    break
+        return col
 
     def __len__(self) -> int:
         return int(self._cum[-1])

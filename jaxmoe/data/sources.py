@@ -116,20 +116,30 @@ class FlatSource(Source):
             self._stream = parts[0] if len(parts) == 1 else TokenStream(parts, self.dtype)
         return self._stream
 
+    def _scan(self) -> None:
+        """One chunked pass over every shard: the largest id and the ``doc_sep`` positions."""
+        cuts, top = [np.zeros(1, np.int64)], -1
+        for k in range(len(self.files)):
+            t, seps = _scan_tokens(self._shard(k), self.doc_sep)
+            top = max(top, t)
+            cuts += [seps + 1 + self.offsets[k], self.offsets[k + 1: k + 2]]
+        self._max = top
+        if self.doc_sep is not None:
+            self._bounds = np.unique(np.concatenate(cuts))
+
     def _index(self) -> np.ndarray:
         """Document boundaries (global token offsets, first 0, last the stream length)."""
         if self._bounds is None:
-            cuts, top = [np.zeros(1, np.int64)], -1
-            for k, size in enumerate(self.sizes):
-                t, seps = _scan_tokens(self._shard(k), self.doc_sep)
-                top = max(top, t)
-                cuts += [seps + 1 + self.offsets[k], self.offsets[k + 1: k + 2]]
-            self._bounds, self._max = np.unique(np.concatenate(cuts)), top
+            if self.doc_sep is None:  # a document per non-empty shard: no pass over the data
+                self._bounds = np.unique(self.offsets)
+            else:
+                self._scan()
         return self._bounds
 
     @property
     def max_id(self) -> int:
-        self._index()
+        if self._max is None:
+            self._scan()
         return self._max
 
     def __len__(self) -> int:
@@ -282,6 +292,14 @@ class TextSource(Source):
         return self._parse(f, line, lambda: mm[:a].count(b"\n") + 1)
 
 
+def iter_documents(path):
+    """The documents (str) of a ``.txt``/``.jsonl`` file, directory or glob, one at a time
+    (``text:PATH``'s source, read in order)."""
+    src = open_source(f"text:{path}")
+    for i in range(len(src)):
+        yield src[i]
+
+
 # --------------------------------------------------------------------------------------------
 # open_source
 # --------------------------------------------------------------------------------------------
@@ -344,6 +362,7 @@ __all__ = [
     "default_corpus_files",
     "default_stream",
     "first_line",
+    "iter_documents",
     "open_source",
     "write_arrayrecord",
 ]
