@@ -305,3 +305,10 @@ def test_missing_data_extra_is_one_line(tmp_path, monkeypatch, scheme, blocked):
     (tmp_path / "state.json").write_text("{}")
     with pytest.raises(UserError, match=rf"needs {blocked}, which is not installed: pip install 'jaxmoe\[data\]'"):
         open_source(f"{scheme}:{tmp_path}")
+
+
+def test_grain_reads_a_source(tmp_path):
+    grain = pytest.importorskip("grain")
+    write_parquet(tmp_path / "t.parquet", text=TEXTS)
+    ds = grain.MapDataset.source(open_source(f"parquet:{tmp_path}")).map(Tokenize(None))
+    assert [ds[i].tolist() for i in range(len(ds))] == [ByteTokenizer().encode(t).tolist() for t in TEXTS]
