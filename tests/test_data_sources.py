@@ -128,6 +128,13 @@ def test_hf_datasets_folder(tmp_path):
     assert len(src.files) == 2 and docs_of(src) == DOCS
     assert docs_of(open_source(f"hfds:{tmp_path}/ds#text")) == TEXTS
     assert docs_of(pickle.loads(pickle.dumps(src))) == DOCS
+    datasets = pytest.importorskip("datasets")
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"tokens": DOCS}),
+                                   "test": datasets.Dataset.from_dict({"tokens": DOCS[:1]})})
+    splits.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(UserError, match=r"holds several splits \(test, train\); name one: hfds:.*dd/SPLIT"):
+        open_source(f"hfds:{tmp_path}/dd")
+    assert docs_of(open_source(f"hfds:{tmp_path}/dd/test")) == DOCS[:1]
 
 
 def test_arrayrecord_round_trip(tmp_path):

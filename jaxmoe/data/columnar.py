@@ -135,9 +135,15 @@ class ParquetSource(ArrowSource):
                 raise UserError(f"data {spec}: {f} is not a readable parquet file ({first_line(e)})") from None
         self._setup(spec, files, column, schemas, [p for p in pieces if p[2]])
 
+    _transient = ("_cache", "_open")
+
     def read_piece(self, k: int, part):
-        pq = require("pyarrow.parquet", "--data parquet:")
-        pf = pq.ParquetFile(str(self.files[k]), memory_map=True)
+        if getattr(self, "_open", None) is None:
+            self._open = {}
+        pf = self._open.get(k)
+        if pf is None:  # the footer is parsed once per file and process
+            pq = require("pyarrow.parquet", "--data parquet:")
+            pf = self._open[k] = pq.ParquetFile(str(self.files[k]), memory_map=True)
         return pf.read_row_group(part, columns=[self.column]).column(0)
 
 
