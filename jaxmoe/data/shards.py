@@ -15,7 +15,7 @@ from jaxmoe.errors import UserError
 
 
 class Source:
-    """A Grain random-access source of documents (see the module docstring).
+    """A Grain random-access source of documents (the formats: :mod:`jaxmoe.data.sources`).
 
     ``stream``: for flat token sources the whole token stream (a memory map, or a
     :class:`TokenStream` over several shards), else None. ``max_id``: the largest token id when
