@@ -191,6 +191,9 @@ def test_tokenize_equals_encode_plus_eot(tmp_path):
     assert b("hé").tolist() == [104, 195, 169]
     with pytest.raises(UserError, match="tokenizer file .*none.json does not exist"):
         Tokenize(str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(UserError, match="tokenizer file .*bad.json is not a valid tokenizer.json"):
+        load_tokenizer(str(tmp_path / "bad.json"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmoe.data.sources import open_source
+from jaxmoe.data.sources import first_line, open_source
 from jaxmoe.errors import UserError
 from jaxmoe.extras import require
 
@@ -62,7 +62,7 @@ def load_tokenizer(path: str | None):
     try:
         return HFTokenizer(Tokenizer.from_file(str(p)))
     except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on bad JSON)
-        raise UserError(f"tokenizer file {p} is not a valid tokenizer.json: {e}") from None
+        raise UserError(f"tokenizer file {p} is not a valid tokenizer.json: {first_line(e)}") from None
 
 
 class Tokenize:
