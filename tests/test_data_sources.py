@@ -115,6 +115,16 @@ def test_parquet_columns_and_shards(tmp_path, spec_tail, want):
     assert docs_of(pickle.loads(pickle.dumps(src))) == want
 
 
+def test_parquet_out_of_order_reads_past_the_cache(tmp_path, monkeypatch):
+    from jaxmoe.data import columnar
+
+    monkeypatch.setattr(columnar, "CACHE_BYTES", 1)  # every new row group drops the one kept
+    write_parquet(tmp_path / "x.parquet", rows_per_group=1, input_ids=DOCS)
+    src = open_source(f"parquet:{tmp_path}")
+    order = [3, 0, 2, 0, 1, 3]
+    assert [src[i].tolist() for i in order] == [DOCS[i] for i in order] and len(src._cache) == 1
+
+
 def test_parquet_picks_tokens_then_text(tmp_path):
     write_parquet(tmp_path / "t.parquet", text=TEXTS, tokens=pa.array(DOCS, pa.large_list(pa.uint16())))
     assert docs_of(open_source(f"parquet:{tmp_path}/t.parquet")) == DOCS
@@ -287,13 +297,19 @@ def test_bad_doc_sep_and_read_time_errors(tmp_path):
     good = io.BytesIO()
     np.save(good, np.array([1, 2], np.int32))
     w = ar.ArrayRecordWriter(str(tmp_path / "r.array_record"), "group_size:1")
-    for raw in (good.getvalue(), good.getvalue(), pickle.dumps([3])):
+    square, big_endian = io.BytesIO(), io.BytesIO()
+    np.save(square, np.eye(2, dtype=np.int32))
+    np.save(big_endian, np.array([1, 300], ">u2"))
+    raws = (good.getvalue(), big_endian.getvalue(), pickle.dumps([3]), good.getvalue()[:-1], square.getvalue())
+    for raw in raws:
         w.write(raw)
     w.close()
     src = open_source(f"arrayrecord:{tmp_path}/r.array_record")
-    assert len(src) == 3 and src[1].tolist() == [1, 2]
-    with pytest.raises(UserError, match=r"record 2 of .*r.array_record is not an np.save array"):
-        src[2]
+    assert len(src) == 5 and src[0].tolist() == [1, 2] and src[1].tolist() == [1, 300]
+    for i, msg in ((2, "is not an np.save array"), (3, "is not an np.save array"),
+                   (4, "holds a 2-D int32 array; expected 1-D integer token ids")):
+        with pytest.raises(UserError, match=rf"record {i} of .*r.array_record {msg}"):
+            src[i]
 
 
 def test_iter_documents(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections import OrderedDict
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from jaxmoe.errors import UserError
 from jaxmoe.extras import require
 
 ID_COLUMNS = ("input_ids", "tokens", "text")  # the column taken when a spec names none, in order
-_KEEP = 4  # row groups / Arrow files kept decoded per process
+CACHE_BYTES = 256 << 20  # decoded parquet row groups kept per process (a shuffled order revisits them)
 
 
 def is_parquet(p: Path) -> bool:
@@ -84,20 +85,27 @@ class ArrowSource(Source):
     def read_piece(self, k: int, part):
         raise NotImplementedError(type(self).__name__)
 
+    def piece_bytes(self, col) -> int:
+        """What keeping a read piece costs in memory (a mapped Arrow file costs ~nothing)."""
+        return col.nbytes
+
     def _piece(self, p: int):
-        """Piece ``p``'s column, decoded; the last few kept (safe under Grain's reader threads)."""
+        """Piece ``p``'s column, decoded; kept while the kept ones hold <= CACHE_BYTES, oldest
+        dropped first (safe under Grain's reader threads: a lost race only re-reads a piece)."""
         if getattr(self, "_cache", None) is None:
             self._cache = OrderedDict()
         cache = self._cache
-        col = cache.get(p)
-        if col is None:
-            k, part, _ = self.pieces[p]
-            col = cache[p] = self.read_piece(k, part)
-            while len(cache) > _KEEP:
-                try:
-                    cache.popitem(last=False)
-                except KeyError:  # emptied by another thread meanwhile
-                    break
+        hit = cache.get(p)
+        if hit is not None:
+            return hit[0]
+        k, part, _ = self.pieces[p]
+        col = self.read_piece(k, part)
+        cache[p] = (col, self.piece_bytes(col))
+        try:
+            while len(cache) > 1 and sum(b for _, b in list(cache.values())) > CACHE_BYTES:
+                cache.popitem(last=False)
+        except KeyError:  # emptied by another thread meanwhile
+            pass
         return col
 
     def __len__(self) -> int:
@@ -181,6 +189,9 @@ class HFDatasetSource(ArrowSource):
                 raise UserError(f"data {spec}: {f} is not a readable Arrow stream file ({first_line(e)})") from None
         self._setup(spec, files, column, schemas, [p for p in pieces if p[2]])
 
+    def piece_bytes(self, col) -> int:
+        return 1 << 20  # memory-mapped: keep up to CACHE_BYTES >> 20 files open
+
     def read_piece(self, k: int, part):
         pa = _pa(self.name)
         return pa.ipc.open_stream(pa.memory_map(str(self.files[k]))).read_all().column(self.column)
@@ -195,8 +206,24 @@ def _ar_module():
     return require("array_record.python.array_record_module", "--data arrayrecord:")
 
 
+_NPY_HEADER = re.compile(r"\{'descr': '([<>|=]?[iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), *\}")
+
+
 def decode_record(raw: bytes, where: str) -> np.ndarray:
-    """One array_record record (``np.save`` bytes of a 1-D integer array) as int32 ids."""
+    """One array_record record (``np.save`` bytes of a 1-D integer array) as int32 ids.
+
+    The header ``np.save`` writes for a 1-D integer array is matched directly (np.load parses
+    it with ``ast``, ~10x the cost of the rest); anything else goes through ``np.load``."""
+    head = raw[:10]
+    if len(head) == 10 and head[:6] == b"\x93NUMPY" and head[6] == 1:
+        n = int.from_bytes(head[8:10], "little")
+        m = _NPY_HEADER.fullmatch(raw[10: 10 + n].decode("latin1").rstrip("\n "))
+        if m:
+            dtype, count = np.dtype(m[1]), int(m[2])
+            if len(raw) - 10 - n != count * dtype.itemsize:
+                raise UserError(f"{where} is not an np.save array (its {len(raw) - 10 - n} data bytes "
+                                f"do not hold {count} x {dtype.name})")
+            return np.frombuffer(raw, dtype, count, offset=10 + n).astype(np.int32)
     try:
         arr = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
