@@ -196,9 +196,12 @@ def test_tokenize_equals_encode_plus_eot(tmp_path):
         assert pickle.loads(pickle.dumps(t))(text).tolist() == ids.tolist()
     assert "_tok" not in pickle.loads(pickle.dumps(t)).__dict__ or pickle.loads(pickle.dumps(t))._tok is None
     assert tok.decode(t("the lazy fox")[:-1]) == "the lazy fox"
-    b = Tokenize(None)
-    assert isinstance(load_tokenizer(None), ByteTokenizer) and (b.vocab_size, b.eot_id) == (256, None)
-    assert b("hé").tolist() == [104, 195, 169]
+    b = load_tokenizer(None)
+    assert isinstance(b, ByteTokenizer) and (b.vocab_size, b.eot_id) == (256, None)
+    assert b.encode("hé").tolist() == [104, 195, 169] and b.decode([104, 195, 169]) == "hé"
+    for none in (None, ""):
+        with pytest.raises(UserError, match=r"text data needs a tokenizer: --set train.tokenizer="):
+            Tokenize(none)
     with pytest.raises(UserError, match="tokenizer file .*none.json does not exist"):
         Tokenize(str(tmp_path / "none.json"))
     (tmp_path / "bad.json").write_text("{}")
@@ -336,5 +339,5 @@ def test_missing_data_extra_is_one_line(tmp_path, monkeypatch, scheme, blocked):
 def test_grain_reads_a_source(tmp_path):
     grain = pytest.importorskip("grain")
     write_parquet(tmp_path / "t.parquet", text=TEXTS)
-    ds = grain.MapDataset.source(open_source(f"parquet:{tmp_path}")).map(Tokenize(None))
+    ds = grain.MapDataset.source(open_source(f"parquet:{tmp_path}")).map(ByteTokenizer().encode)
     assert [ds[i].tolist() for i in range(len(ds))] == [ByteTokenizer().encode(t).tolist() for t in TEXTS]

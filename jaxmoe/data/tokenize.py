@@ -68,10 +68,14 @@ def load_tokenizer(path: str | None):
 class Tokenize:
     """Text document -> ``np.int32`` ids (+ ``eot_id`` when the tokenizer has one), for a Grain
     ``.map``. The tokenizer is loaded here once (checks, ``vocab_size``, ``eot_id``) and again,
-    lazily, in each process the callable is pickled to."""
+    lazily, in each process the callable is pickled to. Text data needs a tokenizer file (as
+    before the Grain pipeline): no path is an error, not a silent byte-level vocabulary."""
 
     def __init__(self, tokenizer_path: str | None):
-        self.tokenizer_path = tokenizer_path or None
+        if not tokenizer_path:
+            raise UserError("text data needs a tokenizer: --set train.tokenizer=PATH/tokenizer.json "
+                            "(make one with `jaxmoe tokenizer`)")
+        self.tokenizer_path = tokenizer_path
         self._tok = load_tokenizer(self.tokenizer_path)
         self.vocab_size, self.eot_id = self._tok.vocab_size, self._tok.eot_id
 
