@@ -26,7 +26,7 @@ COMMANDS = {
     "config": ("jaxmoe.config_cli", "print a resolved config as TOML (preset, file, --set, or --from-titan)"),
     "plan": ("jaxmoe.plan", "will a preset's train step fit a mesh? per-device memory, FLOPs, lowering"),
     "plot": ("jaxmoe.plot", "write PNG plots from a training run's metrics.jsonl"),
-    "tokenizer": ("jaxmoe.data", "train a byte-level BPE tokenizer.json on text files"),
+    "tokenizer": ("jaxmoe.data.tokenize", "train a byte-level BPE tokenizer.json on text files"),
     "convert": ("jaxmoe.port.cli", "convert checkpoints between hf:, orbax: and torch:"),
     "logits": ("jaxmoe.port.cli", "write the fp32 logits a checkpoint computes on tokens"),
     "parity": ("parity.cli", "run the jaxmoe vs torch_ref parity suite"),

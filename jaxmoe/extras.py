@@ -6,6 +6,7 @@ orbax-checkpoint, numpy, safetensors. Everything else is an extra of ``pyproject
 * ``[ref]``  torch + transformers: ``convert --verify``, ``logits --framework torch|hf``,
   ``parity``, ``torch_ref``;
 * ``[text]`` tokenizers: ``--data text:`` and ``jaxmoe tokenizer``;
+* ``[data]`` pyarrow + array_record: ``--data parquet:|hfds:|arrayrecord:``;
 * ``[plot]`` matplotlib: ``jaxmoe plot``;
 * ``[tb]``   tensorboardX: TensorBoard files (skipped with a note when absent);
 * ``[titan]`` torchtitan (+ what it needs to import on CPU): ``jaxmoe config --from-titan``,
@@ -25,6 +26,8 @@ EXTRA_OF = {
     "transformers": "ref",
     "torch_ref": "ref",
     "tokenizers": "text",
+    "pyarrow": "data",
+    "array_record": "data",
     "matplotlib": "plot",
     "tensorboardX": "tb",
     "torchtitan": "titan",
