@@ -209,6 +209,8 @@ def test_jaxmoe_run_resumes_in_torchtitan(jaxmoe_run, capsys):
     ours = _losses(run)
     theirs = out["losses_after"]
     assert len(theirs) == M
+    print(f"\njaxmoe->torchtitan K={K} M={M}: jaxmoe before {[ours[i] for i in range(1, K + 1)]}; after: "
+          f"jaxmoe {[ours[i] for i in range(K + 1, K + M + 1)]} torchtitan {theirs}")
     for i, loss in enumerate(theirs):
         assert abs(ours[K + 1 + i] - loss) <= _tol() * abs(loss), (i, ours, theirs)
 
@@ -334,6 +336,8 @@ def test_torchtitan_run_resumes_in_jaxmoe(tmp_path, capsys):
                  "--config", str(toml), "--out", str(run), "--quiet"]) == 0, capsys.readouterr().err
     ours = _losses(run)
     assert sorted(ours) == list(range(k + 1, k + m + 1))
+    print(f"\ntorchtitan->jaxmoe K={k} M={m}: torchtitan before {out['losses_before']}; after: "
+          f"jaxmoe {[ours[i] for i in range(k + 1, k + m + 1)]} torchtitan {out['losses_after']}")
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["lr"] == pytest.approx(out["param_group"]["lr"], rel=1e-6)
     for i, loss in enumerate(out["losses_after"]):
