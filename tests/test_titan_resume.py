@@ -104,7 +104,7 @@ def titan_ckpt(tmp_path_factory):
     the LAYERS-layer model on jaxmoe's batches and saves with its CheckpointManager (~10 s)."""
     tmp = tmp_path_factory.mktemp("titan")
     toml = _toml(tmp / "m.toml", LAYERS, K + M)
-    out = _titan(tmp / "titan", toml, LAYERS, K, 0, "train_save_resume")
+    out = _titan(tmp / "titan", toml, LAYERS, K, 1, "train_save_resume")
     return toml, tmp / "titan" / f"step-{K}", out
 
 
@@ -141,6 +141,41 @@ def test_torchtitan_state_maps_into_jaxmoe(titan_ckpt):
     for which, tree in (("exp_avg", adam.mu), ("exp_avg_sq", adam.nu)):
         for name, a in to_titan(cfg, jax.tree.map(np.asarray, tree), None, with_buffers=False).items():
             assert np.array_equal(got[f"state.{name}.{which}"], a), (which, name)
+
+
+def test_round_trip_torchtitan_jaxmoe_torchtitan(titan_ckpt, tmp_path, capsys):
+    """torchtitan's step K -> ``jaxmoe train --resume-from`` one step (its loss = torchtitan's own
+    step K+1 from the same checkpoint) -> ``convert --with-optimizer`` -> torchtitan's
+    CheckpointManager restores every weight, moment and AdamW step bit-exact, the param group, the
+    scheduler position and the train state, and its step K+2 = jaxmoe's ``--resume`` step K+2."""
+    toml, step, first = titan_ckpt
+    run = tmp_path / "run"
+    assert main(["train", "--resume-from", f"dcp:{step}", "--titan", str(toml), "--config", str(toml),
+                 "--out", str(run), "--stop-after", str(K + 1), "--quiet"]) == 0, capsys.readouterr().err
+    ours = _losses(run)
+    assert list(ours) == [K + 1] and len(first["losses_after"]) == 1
+    assert abs(ours[K + 1] - first["losses_after"][0]) <= _tol() * abs(ours[K + 1]), (ours, first)
+    back = tmp_path / "back" / f"step-{K + 1}"
+    assert main(["convert", "--from", f"orbax:{run}@{K + 1}", "--to", f"dcp:{back}", "--with-optimizer"]) == 0
+    out = _titan(back.parent, toml, LAYERS, K + 1, 1, "resume")
+    got = np.load(back.parent / "loaded.npz")
+    cfg, params, mu, nu, count = _jaxmoe_state(run, K + 1)
+    assert count == K + 1
+    for name in params:
+        assert np.array_equal(got[name], params[name]), name
+        assert np.array_equal(got[f"state.{name}.exp_avg"], mu[name]), name
+        assert np.array_equal(got[f"state.{name}.exp_avg_sq"], nu[name]), name
+        assert float(got[f"state.{name}.step"]) == K + 1
+    assert out["last_epoch"] == K + 1 and out["train_state"] == {"step": K + 1, "ntokens_seen": (K + 1) * 64}
+    g = out["param_group"]
+    assert (g["initial_lr"], g["betas"], g["eps"], g["weight_decay"]) == (cfg.train.lr, [0.9, 0.95], 1e-8, 0.1)
+    assert g["decoupled_weight_decay"] and not g["amsgrad"]
+    assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0, capsys.readouterr().err
+    ours = _losses(run)
+    assert sorted(ours) == [K + 1, K + 2]
+    assert abs(ours[K + 2] - out["losses_after"][0]) <= _tol() * abs(ours[K + 2]), (ours, out)
+    print(f"\nround trip: torchtitan {first['losses_before']} | step {K + 1}: jaxmoe {ours[K + 1]} torchtitan "
+          f"{first['losses_after'][0]} | step {K + 2}: jaxmoe {ours[K + 2]} torchtitan {out['losses_after'][0]}")
 
 
 @pytest.fixture(scope="module")
