@@ -155,6 +155,12 @@ def test_round_trip_torchtitan_jaxmoe_torchtitan(titan_ckpt, tmp_path, capsys):
     ours = _losses(run)
     assert list(ours) == [K + 1] and len(first["losses_after"]) == 1
     assert abs(ours[K + 1] - first["losses_after"][0]) <= _tol() * abs(ours[K + 1]), (ours, first)
+    # a --resume-from run that lost its checkpoints starts over from its recorded torchtitan step
+    lost = tmp_path / "lost"
+    shutil.copytree(run, lost)
+    shutil.rmtree(lost / "checkpoints")
+    assert main(["train", "--resume", "--out", str(lost), "--stop-after", str(K + 1), "--quiet"]) == 0
+    assert _losses(lost) == ours and json.loads((lost / "run.json").read_text())["start_step"] == K
     back = tmp_path / "back" / f"step-{K + 1}"
     assert main(["convert", "--from", f"orbax:{run}@{K + 1}", "--to", f"dcp:{back}", "--with-optimizer"]) == 0
     out = _titan(back.parent, toml, LAYERS, K + 1, 1, "resume")
