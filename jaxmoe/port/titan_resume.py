@@ -231,8 +231,11 @@ class TitanResume:
             moments[m] = unflatten(flat)["params"]
         found = []
 
-        def put(new, old):
-            return jax.device_put(np.asarray(new, old.dtype), old.sharding)
+        def put(new, old):  # onto the sharding jaxmoe's own init gave that leaf
+            arr = np.asarray(new, old.dtype)
+            if jax.process_count() == 1:
+                return jax.device_put(arr, old.sharding)
+            return jax.make_array_from_callback(arr.shape, old.sharding, lambda idx: arr[idx])
 
         def swap(node):
             if isinstance(node, optax.ScaleByAdamState):
