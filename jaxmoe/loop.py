@@ -98,9 +98,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, out: Path, *, resume: bool = False, resume_step: int | None = None,
                  init_from=None, quiet: bool = False, mesh_ctx=None, stop_after: int | None = None,
-                 compile_cache_on: bool = True):
+                 compile_cache_on: bool = True, resume_from=None):
         self.cfg, self.out, self.resume, self.resume_step = cfg, Path(out), resume, resume_step
         self.init_from = init_from  # an opened jaxmoe.port source, or None
+        self.resume_from = resume_from  # --resume-from: a jaxmoe.port.titan_resume.TitanResume, or None
         self.quiet, self.mesh_ctx, self.compile_cache_on = quiet, mesh_ctx, compile_cache_on
         self.stop_after = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
         self.rd = RunDir(self.out, primary=jax.process_index() == 0)
@@ -145,6 +146,8 @@ class Trainer:
                 if skipped:
                     _log(f"resuming from checkpoint {step}, the newest that restores")
             return state, int(meta["step"]), meta.get("data")
+        if self.resume_from is not None:  # a torchtitan checkpoint's state (jaxmoe.port.titan_resume)
+            return self.resume_from.initial_state(cfg, tx, shardings)
         if self.resume:
             _log(f"--resume: {self.out} has no checkpoint yet; starting it over from step 0 with "
                  "its saved config")
@@ -167,6 +170,8 @@ class Trainer:
                                    "fingerprint": fingerprint(self.init_from)}
             if self.init_from.ep.options:  # format options (--titan): re-opening needs them
                 fields["init_from"]["options"] = dict(self.init_from.ep.options)
+        if self.resume_from is not None:
+            fields["resume_from"] = self.resume_from.record()
         if rd.primary:
             rd.path.mkdir(parents=True, exist_ok=True)
             (rd.path / "config.toml").write_text(config_to_toml(cfg))

@@ -46,6 +46,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="start from the weights of hf:DIR | orbax:RUN_DIR[@STEP] | torch:FILE | "
                         "dcp:STEP_DIR (model config from the source or --titan; fresh optimizer "
                         "and schedule)")
+    p.add_argument("--resume-from", metavar="dcp:STEP_DIR",
+                   help="continue a torchtitan run from its full checkpoint step (with --titan naming "
+                        "its model): weights, expert biases, AdamW moments, step, LR schedule position "
+                        "and data position (batch = step) into a new run --out")
     formats.add_arguments(p, ("source",))
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent compilation cache (also JAXMOE_COMPILE_CACHE=0)")
@@ -101,10 +105,17 @@ def resolve_config(args) -> tuple[Config, Path, object]:
     extra = _train_overrides(args)
     src_options = {o.name: getattr(args, o.name, None) for o in formats.options(("source",))}
     given = [o.flag for o in formats.options(("source",)) if src_options[o.name] is not None]
-    if given and not args.init_from:
-        raise UserError(f"{given[0]} describes the --init-from source; give --init-from or drop it")
+    resume_from = getattr(args, "resume_from", None)
+    if given and not (args.init_from or resume_from):
+        raise UserError(f"{given[0]} describes the --init-from / --resume-from source; give one or drop it")
     if args.resume_step is not None and not args.resume:
         raise UserError("--resume-step needs --resume")
+    if resume_from:
+        if args.resume or args.init_from:
+            raise UserError("--resume-from starts a new run from a torchtitan checkpoint; drop "
+                            f"{'--resume' if args.resume else '--init-from'} (a jaxmoe run continues "
+                            "with --resume --out RUN_DIR alone)")
+        return _resume_from_config(args, resume_from, src_options.get("titan"), extra)
     if args.resume:
         if args.init_from:
             raise UserError("--resume continues a run, which records its own --init-from source; "
@@ -146,17 +157,51 @@ def resolve_config(args) -> tuple[Config, Path, object]:
     return cfg, out, src
 
 
+def _resume_from_config(args, spec: str, titan, extra):
+    """``--resume-from dcp:STEP_DIR``: the model from ``--titan``, training settings from
+    ``--preset`` / ``--config`` (else ``--titan``'s) and ``--set``, AdamW's fields from the
+    checkpoint (:class:`jaxmoe.port.titan_resume.TitanResume`)."""
+    from jaxmoe.config import apply_setting, parse_override
+    from jaxmoe.init_from import config_from_source
+    from jaxmoe.port.titan_resume import open_resume
+
+    res = open_resume(spec, titan)
+    model_over, rest = _split_overrides(list(args.overrides) + extra)
+    if args.preset or args.config:
+        base = load_config(preset=args.preset, path=args.config, overrides=rest)
+    else:
+        base = dataclasses.replace(res.src.cfg, train=dataclasses.replace(res.src.cfg.train))
+        for text in rest:
+            apply_setting(base, *parse_override(text))
+    cfg = config_from_source(base, res.src, model_over)
+    given = {".".join(parse_override(o)[:2]) for o in list(args.overrides) + extra}
+    res.fix_config(cfg, given)
+    for note in res.notices:
+        print(note, file=sys.stderr)
+    name = cfg.model.name.replace("/", "-").replace(":", "-")
+    out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg, out, res
+
+
 def _recorded_source(out: Path):
-    """The --init-from source a resumed run recorded, re-opened, if it has no checkpoint yet (it
-    then starts over from those weights); its content must not have changed."""
+    """The --init-from source (or --resume-from checkpoint) a resumed run recorded, re-opened, if
+    it has no checkpoint yet (it then starts over from there); its content must not have changed."""
     from jaxmoe.run_dir import RunDir
 
     rd = RunDir(out)
-    rec = rd.record().get("init_from")
+    rec = rd.record().get("init_from") or rd.record().get("resume_from")
     if not rec or (rd.ckpt_dir.is_dir() and any(p.name.isdigit() for p in rd.ckpt_dir.iterdir())):
         return None
     from jaxmoe.init_from import fingerprint, open_init_source
 
+    if "resume_from" in rd.record():
+        from jaxmoe.port.titan_resume import open_resume
+
+        res = open_resume(rec["source"], (rec.get("options") or {}).get("titan"))
+        if fingerprint(res.src) != rec["fingerprint"]:
+            raise UserError(f"--resume: the run started from {rec['source']}, whose contents changed since "
+                            "(fingerprint differs); restore it or start a new run")
+        return res
     src = open_init_source(rec["source"], rec.get("options"))
     if fingerprint(src) != rec["fingerprint"]:
         raise UserError(f"--resume: the run started from {rec['source']}, whose contents changed since "
@@ -178,9 +223,12 @@ def run(args) -> int:
         cfg, mesh_ctx = setup_from_args(cfg, args)
     _check_data_path(cfg)
     from jaxmoe.loop import Trainer  # late: jax (see the module doc)
+    from jaxmoe.port.titan_resume import TitanResume
 
-    trainer = Trainer(cfg, out, resume=args.resume, resume_step=args.resume_step, init_from=src,
-                      quiet=args.quiet, mesh_ctx=mesh_ctx, stop_after=args.stop_after,
+    resume_from = src if isinstance(src, TitanResume) else None
+    trainer = Trainer(cfg, out, resume=args.resume, resume_step=args.resume_step,
+                      init_from=None if resume_from else src, resume_from=resume_from, quiet=args.quiet,
+                      mesh_ctx=mesh_ctx, stop_after=args.stop_after,
                       compile_cache_on=not args.no_compile_cache)
     res = trainer.run()
     if res.losses:

@@ -159,6 +159,28 @@ def test_two_rank_sharded_full_checkpoint_assembles(two_ranks, tmp_path, capsys)
 
 
 @needs_titan
+def test_two_rank_training_state_reads_for_resume(two_ranks):
+    """The training state ``--resume-from`` reads, from the 2-rank FSDP-sharded full checkpoint
+    (each moment's rows in two files): one AdamW update of lr 1e-3 on gradients of 1e-3 everywhere
+    gives exp_avg = (1 - 0.9) * 1e-3 = 1e-4 and exp_avg_sq = (1 - 0.95) * 1e-6 = 5e-8 in every
+    element of every leaf; step = AdamW count = last_epoch = 1; the group's betas, eps, decay."""
+    from jaxmoe.port.titan_resume import grouped, open_resume, optimizer_entries, read_moment
+
+    res = open_resume(f"dcp:{two_ranks}/step-1", FLAVOR)
+    ts = res.ts
+    assert (ts.step, ts.count, ts.last_epoch, ts.ntokens_seen) == (1, 1, 1, 4096)
+    assert (ts.initial_lr, ts.lr, ts.betas, ts.eps, ts.weight_decay) == (1e-3, 1e-3, (0.9, 0.95), 1e-8, 0.1)
+    d, cfg = res.src.dir, res.src.cfg
+    assert len(d.chunks("optimizer.state.layers.1.moe.routed_experts.inner_experts.w1_EFD.exp_avg")) == 2
+    groups = grouped(optimizer_entries(cfg))
+    assert len(groups) == sum(k.startswith("params/") for k in res.src.shapes)  # every trained leaf
+    for key, ents in groups.items():
+        mu = read_moment(d, ents, res.src.shapes[key], "exp_avg")
+        nu = read_moment(d, ents, res.src.shapes[key], "exp_avg_sq")
+        assert np.allclose(mu, 1e-4, rtol=1e-6, atol=0) and np.allclose(nu, 5e-8, rtol=1e-6, atol=0), key
+
+
+@needs_titan
 def test_logits_of_a_dcp_checkpoint_match_torchtitan(one_rank, tmp_path):
     import torch
 

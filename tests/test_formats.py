@@ -114,7 +114,7 @@ def test_table_lists_the_schemes():
     assert list(FORMATS) == ["hf", "orbax", "torch", "dcp"]
     assert all(f.scheme == s for s, f in FORMATS.items())
     assert formats.endpoint_help() == "hf:DIR | orbax:RUN_DIR[@STEP] | torch:FILE.safetensors | dcp:STEP_DIR"
-    assert {o.flag for o in formats.options()} == {"--shard-size", "--hf-layout", "--titan"}
+    assert {o.flag for o in formats.options()} == {"--shard-size", "--hf-layout", "--titan", "--with-optimizer"}
 
 
 def test_unknown_scheme_is_one_line_naming_the_valid_ones(tmp_path, capsys):

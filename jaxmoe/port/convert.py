@@ -127,6 +127,7 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
     written = 0
     try:
         sink = dst.format.open_sink(dst, target, cfg, dtypes, log)
+        sink.use_source(source)
         for key in source.keys():
             buf = sink.buffer(key, source.shapes[key], dtypes[key])
             if buf is None and sink.takes_views:

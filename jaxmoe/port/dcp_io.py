@@ -15,8 +15,9 @@ writes: an uncompressed zip whose ``data.pkl`` (read with the same allow-list:
 ``torch._utils._rebuild_tensor_v2`` and the typed storages, again stand-ins) gives the storage
 dtype, offset, shape and strides, and whose ``data/N`` entry holds the raw storage bytes, read
 straight from the file (``np.memmap``). Chunks written without ``torch.save`` (DCP's raw
-``numel * itemsize`` bytes) are read as they are. Byte items (``dataloader``, the optimizer's
-param groups, ...) are never unpickled.
+``numel * itemsize`` bytes) are read as they are. Byte items (the optimizer's param groups,
+``lr_scheduler.last_epoch``, ...) are read only on request (:meth:`DcpDir.read_object`, for
+``train --resume-from``), with the same allow-list: plain values only.
 
 Pure Python + numpy (no torch): the ``dcp:`` format (:mod:`jaxmoe.port.formats.dcp`) reads with it.
 """
@@ -291,13 +292,44 @@ class DcpDir:
                     o < 0 or o + s > n for o, s, n in zip(ch.offsets, ch.sizes, shape, strict=True)):
                 raise UserError(f"{self.what}: a chunk of {fqn} ({shape_text(ch.sizes)} at "
                                 f"{shape_text(ch.offsets)}) lies outside its shape {shape_text(shape)}")
-            dst = out[tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes, strict=True))]
+            box = tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes, strict=True))
+            dst = out[box + (...,)]  # a view, also of a 0-d tensor
             dst[...] = self._chunk(fqn, ch, dtype)
             covered += int(np.prod(ch.sizes, dtype=np.int64))
         if covered != int(np.prod(shape, dtype=np.int64)):
             raise UserError(f"{self.what}: the chunks of {fqn} cover {covered} of its "
                             f"{int(np.prod(shape, dtype=np.int64))} elements")
         return out
+
+    def read_object(self, fqn: str):
+        """A byte item (``lr_scheduler.last_epoch``, an optimizer param-group field, ...): the
+        ``torch.save`` bytes' ``data.pkl`` read by :class:`SafeUnpickler`, so only plain values
+        (numbers, strings, tuples, lists, dicts, None) come back; anything naming a class outside
+        the allow-list is refused. A scalar tensor entry (``train_state.step`` saved as a tensor)
+        is returned as its Python number."""
+        if fqn in self.tensors:
+            a = self.read(fqn)
+            if a.size != 1:
+                raise UserError(f"{self.what}: {fqn} is a tensor of shape {shape_text(a.shape)}, not a value")
+            return a.reshape(()).item()
+        if fqn not in self.byte_items:
+            raise UserError(f"{self.what}: no entry {fqn}")
+        info = self.places.get((fqn, None))
+        if info is None:
+            raise UserError(f"{self.what}: .metadata has no storage for the item {fqn}")
+        what = f"{self.what}: item {fqn}"
+        try:
+            with open(self.path / info.relative_path, "rb") as fh:
+                z = zipfile.ZipFile(Window(fh, info.offset, info.length))
+                pkl = next((i for i in z.infolist() if i.filename.endswith("data.pkl")), None)
+                if pkl is None:
+                    raise UserError(f"{what}: its torch.save bytes hold no data.pkl")
+                value = safe_loads(z.read(pkl), f"{what} (data.pkl)")
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            raise UserError(f"{what}: unreadable torch.save bytes ({e})") from None
+        if isinstance(value, (TensorRef, Record)):
+            raise UserError(f"{what}: holds a {type(value).__name__}, not a plain value")
+        return value
 
     def _chunk(self, fqn: str, ch: Chunk, dtype: np.dtype) -> np.ndarray:
         """The chunk's values as a read-only map of the file (no copy)."""

@@ -6,7 +6,7 @@ protocol is :mod:`jaxmoe.port.formats.base`):
 * ``hf``    :mod:`jaxmoe.port.formats.hf`    - a HuggingFace checkpoint directory;
 * ``orbax`` :mod:`jaxmoe.port.formats.orbax` - a jaxmoe run dir (Orbax checkpoint);
 * ``torch`` :mod:`jaxmoe.port.formats.torch` - torch_ref's single safetensors file;
-* ``dcp``   :mod:`jaxmoe.port.formats.dcp`   - a torchtitan checkpoint step (DCP), read.
+* ``dcp``   :mod:`jaxmoe.port.formats.dcp`   - a torchtitan checkpoint step (DCP).
 
 Adding a format is one module implementing the protocol plus one row here: ``convert``,
 ``logits``, ``--verify`` and ``train --init-from`` reach it through :func:`parse_endpoint`,
@@ -63,6 +63,10 @@ def options(roles=("source", "sink")) -> list[Option]:
 def add_arguments(parser, roles=("source", "sink")) -> None:
     """Add the formats' flags for ``roles`` to an argparse parser (values default to None)."""
     for opt in options(roles):
+        if not opt.takes_value:
+            parser.add_argument(opt.flag, dest=opt.name, action="store_const", const=True, default=None,
+                                help=opt.help)
+            continue
         parser.add_argument(opt.flag, dest=opt.name, choices=opt.choices, help=opt.help)
 
 

@@ -57,8 +57,11 @@ class Option:
     parse: Callable[[Any], Any] | None = None
     default: Any = None
     report: bool = False
+    takes_value: bool = True  # False: a switch (``--with-optimizer``), True when given
 
     def value(self, given):
+        if not self.takes_value:
+            return bool(given)
         if self.choices is not None and given not in self.choices:
             raise UserError(f"{self.flag} {given!r}: choose one of {', '.join(self.choices)}")
         return self.parse(given) if self.parse is not None else given
@@ -184,6 +187,11 @@ class Sink:
 
     def write_leaf(self, key: str, arr) -> None:
         raise NotImplementedError
+
+    def use_source(self, source) -> None:
+        """Called once before the first leaf with the opened source, for what a sink writes
+        besides weights (the ``dcp:`` sink's ``--with-optimizer`` training state); may refuse
+        the source with one line. (Default: nothing.)"""
 
     def finish(self) -> None:
         """Write what is still pending: ``target`` then holds the complete checkpoint."""

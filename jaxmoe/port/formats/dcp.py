@@ -19,6 +19,16 @@ state dict: one ``__0_0.distcp`` holding each torchtitan tensor as the bytes ``t
 from DCP's own metadata classes. A config without an expert bias gets all-zero
 ``moe.expert_bias_E`` tensors (torchtitan keeps that buffer whenever its flavor sets
 ``load_balance_coeff``, also for softmax routers; a model without it ignores them).
+
+With ``--with-optimizer`` (a jaxmoe run's checkpoint as the source, AdamW with decay on every
+parameter) the step also holds the full training state torchtitan's ``CheckpointManager.load``
+restores (layout and mapping: :mod:`jaxmoe.port.titan_resume`): ``optimizer.state.<fqn>.{exp_avg,
+exp_avg_sq, step}``, ``optimizer.param_groups.<fqn>.*`` (torchtitan's default AdamW group with the
+run's lr, betas, eps and weight decay; ``lr`` the schedule's next value), ``lr_scheduler.last_epoch``,
+``train_state.{step, ntokens_seen}`` and ``dataloader`` = None -- what a torchtitan save without a
+data loader writes. A torchtitan trainer *with* a data loader loads it with
+``--checkpoint.exclude_from_loading dataloader`` and starts its loader over: jaxmoe's data position
+(batch ``step``) has no meaning for torchtitan's loader.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import titan_map
 from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
-from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Sink, Source, shape_text
+from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, Sink, Source, shape_text
 
 # --------------------------------------------------------------------------------------------
 # The source
@@ -41,6 +51,11 @@ from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Sink, Sourc
 
 
 EXPERT_BIAS = "moe.expert_bias_E"
+WITH_OPTIMIZER = Option(
+    "with_optimizer", "--with-optimizer", "sink", takes_value=False,
+    help="dcp: destination: also write the training state of an orbax:RUN_DIR[@STEP] source "
+         "(AdamW moments and count, param group, lr_scheduler position, train_state), so "
+         "torchtitan's CheckpointManager resumes the run")
 DATA_FILE = "__0_0.distcp"  # what rank 0 of a DCP save writes
 
 
@@ -195,15 +210,87 @@ class DcpSink(Sink):
 
     takes_views = True  # only ``arr[layer]`` is read: a lazy source view never holds the leaf
 
-    def __init__(self, target: Path, cfg: Config):
+    def __init__(self, target: Path, cfg: Config, with_optimizer: bool = False):
         self.torch = _torch()
-        self.target, self.cfg = target, cfg
+        self.target, self.cfg, self.with_optimizer = target, cfg, with_optimizer
         self.groups: dict[str, list[titan_map.TitanEntry]] = {}
         for ent in titan_map.titan_entries(cfg, split_qkv=True):
             self.groups.setdefault(ent.key, []).append(ent)
         self.written: dict[str, tuple[tuple, object, int, int]] = {}  # name -> shape, dtype, offset, length
+        self.items: dict[str, tuple[int, int]] = {}  # byte item name -> offset, length
+        self.source = None
         target.mkdir(parents=True)
         self.file = open(target / DATA_FILE, "wb")
+
+    def use_source(self, source) -> None:
+        """With ``--with-optimizer``: the source must be a jaxmoe training checkpoint with AdamW
+        state torchtitan's one AdamW group can express (one line otherwise, before any write)."""
+        if not self.with_optimizer:
+            return
+        from jaxmoe.port.titan_resume import orbax_adam_prefix
+
+        what = f"--with-optimizer: {source.ep}"
+        state_dir = getattr(source, "state_dir", None)
+        if state_dir is None:
+            raise UserError(f"{what} holds no optimizer state (only a jaxmoe run's checkpoint, "
+                            "orbax:RUN_DIR[@STEP], does); drop --with-optimizer for a model-only step")
+        t = source.cfg.train
+        if t.optimizer != "adamw":
+            raise UserError(f"{what}: train.optimizer={t.optimizer!r}: its state (Muon momentum) has no "
+                            "place in torchtitan's AdamW; drop --with-optimizer for a model-only step")
+        if not (t.decay_norms and t.decay_embeddings):
+            raise UserError(f"{what}: the run decays only some parameters (train.decay_norms / "
+                            "decay_embeddings false); torchtitan's AdamW decays every parameter (one group)")
+        self.adam_prefix, _ = orbax_adam_prefix(state_dir, what)
+        self.source = source
+
+    def _write_optimizer(self) -> None:
+        """AdamW's moments and count per parameter, its param group, the scheduler position and
+        the train state, as torchtitan's CheckpointManager saves them (jaxmoe.port.titan_resume)."""
+        from jaxmoe.optim import lr_schedule  # late: jax
+        from jaxmoe.port.orbax_read import LeafSlices, open_array
+        from jaxmoe.port.titan_resume import GROUP_FIELDS, MOMENTS, OPT_STATE, PARAM_GROUPS, grouped, optimizer_entries
+
+        src, t = self.source, self.source.cfg.train
+
+        def scalar(key):
+            return np.asarray(open_array(src.state_dir, key).read().result()).reshape(()).item()
+
+        count, step = int(scalar(f"{self.adam_prefix}/count")), int(scalar("step"))
+        groups = grouped(optimizer_entries(self.cfg))
+        names = list(dict.fromkeys(e.name for ents in groups.values() for e in ents))
+        for m, which in MOMENTS.items():
+            fused: dict[str, tuple[np.ndarray, set]] = {}  # a fused wqkv: its q/k/v rows come from 3 leaves
+            for key, ents in groups.items():
+                view = LeafSlices(open_array(src.state_dir, f"{self.adam_prefix}/{m}/{key.split('/', 1)[1]}"),
+                                  np.float32)
+                for ent in ents:
+                    part = titan_map.titan_part(np.asarray(view[ent.index] if ent.index else view[()]), ent)
+                    if not ent.qkv:
+                        self._write(f"{OPT_STATE}{ent.name}.{which}", part)
+                        continue
+                    full, parts = fused.setdefault(ent.name, (np.zeros(ent.shape, np.float32), set()))
+                    full[ent.rows()] = part
+                    parts.add(ent.qkv)
+                    if len(parts) == 3:
+                        self._write(f"{OPT_STATE}{ent.name}.{which}", fused.pop(ent.name)[0])
+        lr = float(lr_schedule(t, t.lr)(count))
+        group = {"fused": True, "foreach": False, "lr": lr, "betas": (t.beta1, t.beta2), "eps": t.eps,
+                 "weight_decay": t.weight_decay, "amsgrad": False, "maximize": False, "capturable": False,
+                 "differentiable": False, "decoupled_weight_decay": True, "initial_lr": t.lr}
+        for name in names:
+            self._write(f"{OPT_STATE}{name}.step", np.array(float(count), np.float32))
+            for f in GROUP_FIELDS:
+                self._write_item(f"{PARAM_GROUPS}{name}.{f}", group[f])
+        self._write_item("lr_scheduler.last_epoch", count)
+        self._write_item("train_state.step", step)
+        self._write_item("train_state.ntokens_seen", step * t.batch_size * t.seq_len)
+        self._write_item("dataloader", None)
+
+    def _write_item(self, name: str, value) -> None:
+        at = self.file.tell()
+        self.torch.save(value, self.file)
+        self.items[name] = (at, self.file.tell() - at)
 
     def write_leaf(self, key: str, arr) -> None:
         for ent in self.groups[key]:
@@ -211,7 +298,7 @@ class DcpSink(Sink):
 
     def _write(self, name: str, a: np.ndarray) -> None:
         torch = self.torch
-        a = np.ascontiguousarray(a)
+        a = np.array(a, order="C", copy=not a.flags.c_contiguous)  # ascontiguousarray makes 0-d 1-d
         if a.dtype == DTYPES["bfloat16"]:
             t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         else:
@@ -225,6 +312,8 @@ class DcpSink(Sink):
         if not self.cfg.moe.use_expert_bias:
             for layer in range(m.first_k_dense, m.n_layers):
                 self._write(f"layers.{layer}.{EXPERT_BIAS}", np.zeros(self.cfg.moe.n_experts, np.float32))
+        if self.source is not None:
+            self._write_optimizer()
         self.file.close()
         import torch.distributed.checkpoint.filesystem as fs  # late: torch
         import torch.distributed.checkpoint.metadata as dm
@@ -237,11 +326,17 @@ class DcpSink(Sink):
                 properties=dm.TensorProperties(dtype=dtype), size=torch.Size(shape),
                 chunks=[dm.ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(shape))])
             storage[dm.MetadataIndex(name, zeros, 0)] = fs._StorageInfo(DATA_FILE, at, length)
-        md = dm.Metadata(state_dict_metadata=sdm, planner_data={n: (n,) for n in sdm},
+        for name, (at, length) in self.items.items():
+            sdm[name] = dm.BytesStorageMetadata()
+            storage[dm.MetadataIndex(name)] = fs._StorageInfo(DATA_FILE, at, length)
+        # the state-dict path of each entry, as torchtitan's save records it: model tensors flat,
+        # training state under its top-level key ("optimizer", "state.<fqn>.exp_avg")
+        planner = {n: (tuple(n.split(".", 1)) if n.split(".", 1)[0] in TRAINING_STATE else (n,)) for n in sdm}
+        md = dm.Metadata(state_dict_metadata=sdm, planner_data=planner,
                          storage_data=storage, version=fs.CURRENT_DCP_VERSION)
         with open(self.target / ".metadata", "wb") as f:
             pickle.dump(md, f)
-        self.tensors = len(sdm)
+        self.tensors = len(self.written)
 
 
 class DcpFormat(Format):
@@ -249,7 +344,7 @@ class DcpFormat(Format):
     syntax = "dcp:STEP_DIR"
     help = ("a torchtitan checkpoint step (torch.distributed.checkpoint: .metadata + __R_0.distcp "
             "files, full or model-only; the model config from --titan)")
-    options = (TITAN_OPTION,)
+    options = (TITAN_OPTION, WITH_OPTIMIZER)
     hf_arch_only = False  # torchtitan's own layout: any model titan_map maps
     output_what = "a DCP step directory (.metadata)"
 
@@ -263,7 +358,7 @@ class DcpFormat(Format):
 
     @classmethod
     def open_sink(cls, ep: Endpoint, target: Path, cfg: Config, dtypes: dict, log) -> DcpSink:
-        return DcpSink(target, cfg)
+        return DcpSink(target, cfg, with_optimizer=bool(ep.options.get("with_optimizer")))
 
     @classmethod
     def is_output(cls, path: Path) -> bool:
