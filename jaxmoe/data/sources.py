@@ -6,6 +6,7 @@ random-access data source of documents, or a flat token ``stream``) and :func:`o
 
 from __future__ import annotations
 
+import functools
 import json
 import sysconfig
 from pathlib import Path
@@ -86,6 +87,11 @@ def _token_file(path: Path) -> np.ndarray:
     raise UserError(f"token file {path}: expected a .bin or .npy file")
 
 
+@functools.lru_cache(maxsize=1)
+def _default_tokens() -> np.ndarray:
+    return np.frombuffer(b"".join(p.read_bytes() + b"\n\n" for p in default_corpus_files()), np.uint8)
+
+
 class Source:
     """Documents (``text``: str, else int32 ids) or a flat token ``stream``; picklable."""
 
@@ -97,8 +103,7 @@ class Source:
         spec = self.name
         self.text, self.stream, self.max_id, self._docs = False, None, None, None
         if spec == "default":
-            parts = [p.read_bytes() + b"\n\n" for p in default_corpus_files()]
-            self.stream, self.max_id = np.frombuffer(b"".join(parts), dtype=np.uint8), 255
+            self.stream, self.max_id = _default_tokens(), 255
         elif spec.startswith("tokens:"):
             self.stream = _token_file(Path(spec[len("tokens:"):]).expanduser())
             if len(self.stream) == 0:
