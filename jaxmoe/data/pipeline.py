@@ -147,6 +147,10 @@ class DataIterator:
         self.vocab_size = max(known) if known else 0
         self.max_id = max((p.max_id for p in self.parts if p.max_id is not None), default=-1)
         self.n_windows = self.parts[0].n_elements if len(self.parts) == 1 else None
+        # one flat stream in windows: batch b is a pure function of b, the same for any worker count,
+        # and the processes' rows are the one-process batch: a position is just b (any process count)
+        self.portable = len(self.parts) == 1 and self.parts[0].flat
+        self._start = 0  # portable: the batch the pipeline starts at
         self._it = None
         self.batch_index = 0
         self.tokens = {p.spec: 0 for p in self.parts}
@@ -160,8 +164,9 @@ class DataIterator:
         read = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=READ_BUFFER)
         rows = [p.rows(cfg, self.split, self.process_index, self.process_count,
                        (self.seed + 7919 * p.index) % 2**32, read) for p in self.parts]
-        if len(rows) == 1 and isinstance(rows[0], grain.MapDataset):
-            ds = rows[0].batch(Bl).to_iter_dataset(read)
+        if self.portable:
+            ds = rows[0].batch(Bl)
+            ds = (ds[self._start:] if self._start else ds).to_iter_dataset(read)
         else:
             rows = [r.to_iter_dataset(read) if isinstance(r, grain.MapDataset) else r for r in rows]
             ds = rows[0] if len(rows) == 1 else grain.IterDataset.mix(rows, [w for w, _ in self.weights])
@@ -194,10 +199,12 @@ class DataIterator:
     # -- position -------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         t = self.cfg.train
-        return {"data": self.name, "split": self.split, "seed": self.seed, "seq_len": self.seq_len,
-                "batch_size": self.batch_size, "packing": t.packing, "data_workers": self.workers,
-                "process_count": self.process_count, "mask_doc_start": t.mask_doc_start,
-                "doc_sep_id": t.doc_sep_id}
+        fp = {"data": self.name, "split": self.split, "seed": self.seed, "seq_len": self.seq_len,
+              "batch_size": self.batch_size, "packing": t.packing, "mask_doc_start": t.mask_doc_start,
+              "doc_sep_id": t.doc_sep_id}
+        if not self.portable:
+            fp.update(data_workers=self.workers, process_count=self.process_count)
+        return fp
 
     def state(self) -> dict:
         """JSON-serialisable position: Grain's iterator state, batches served, token counts."""
@@ -209,6 +216,8 @@ class DataIterator:
         """Continue exactly where ``state`` was taken; refuses a state of different data."""
         if "processes" in state:  # a multi-process checkpoint: one state per process
             procs = state["processes"]
+            if self.portable:
+                procs = procs[:1] * self.process_count  # the same batch count on every process
             if len(procs) != self.process_count:
                 raise UserError(f"data position was saved by {len(procs)} processes, this run has "
                                 f"{self.process_count}; resume with the same number of processes")
@@ -223,13 +232,15 @@ class DataIterator:
         self.close()
         self.batch_index = int(state["batch_index"])
         self.tokens = {p.spec: int(state["tokens"].get(p.spec, 0)) for p in self.parts}
-        if state["grain"] is not None:
+        if self.portable:
+            self._start = self.batch_index  # the pipeline restarts at that batch
+        elif state["grain"] is not None:
             self._iterator().set_state(state["grain"])
 
     def reset(self) -> None:
         """Back to the first batch (e.g. to evaluate on the same eval batches every time)."""
         self.close()
-        self.batch_index = 0
+        self.batch_index = self._start = 0
         self.tokens = {p.spec: 0 for p in self.parts}
 
     def close(self) -> None:
