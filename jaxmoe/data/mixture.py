@@ -2,8 +2,9 @@
 
 A mixture draws the rows of each batch from several sources in the proportions of the weights
 (normalised to sum to 1). The interleaving is Grain's ``IterDataset.mix``: a fixed, deterministic
-schedule that, at every row, takes the next row from the source furthest below its share (no random
-draw, so it is the same on every process and resumes exactly from the iterator state). Each source
+schedule of which source gives row ``k`` (integer arithmetic on the proportions, so that every
+prefix of the rows holds each source's share up to rounding; no random draw), the same on every
+process, resuming exactly from the iterator state (its row counter). Each source
 keeps its own order, sharding, tokenization and packing; per-source token counts are kept by
 :class:`jaxmoe.data.pipeline.DataIterator` and written to ``metrics.jsonl`` as ``data_tokens``.
 

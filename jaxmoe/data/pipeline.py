@@ -27,6 +27,10 @@ For each source of ``train.data`` (one, or the parts of a ``mix:`` spec, :mod:`.
 :class:`DataIterator` serves the batches; ``state()`` is the Grain iterator state (JSON) plus the
 batch count, the per-source token counts and a fingerprint of what the data depend on, saved in
 every checkpoint and given back to ``restore()`` on ``--resume`` (a state of other data is refused).
+A single flat stream in windows packing is *portable*: batch ``b`` depends on ``b`` only, so its
+position is the batch count and the pipeline restarts at that batch (any worker or process count;
+a multi-process checkpoint resumes in one process). Elsewhere each process restores its own Grain
+state (:func:`gather_states` collects them for the checkpoint), with the same worker and process count.
 """
 
 from __future__ import annotations
