@@ -253,7 +253,7 @@ class Trainer:
         self._metrics_f = open(rd.path / "metrics.jsonl", "a") if rd.primary else None
         self._writer = _tensorboard(rd) if rd.primary else None
         self._progress = Progress(t.steps, start) if (rd.primary and not self.quiet) else None
-        self._eval_fn, self._sched = None, lr_schedule(t, t.lr)
+        self._eval_fn, self._eval_data, self._sched = None, None, lr_schedule(t, t.lr)
         self._peak, self._peak_src = device_peak_flops(t.dtype)
         self._fpt, self._n_dev, self._tokens = flops_per_token(cfg), jax.device_count(), t.batch_size * t.seq_len
         self._start, self._timed, self._losses = start, [], []
@@ -314,6 +314,8 @@ class Trainer:
             rd.write_record(status=status, last_step=start + len(self._losses))
         finally:
             prefetch.close()
+            if self._eval_data is not None:
+                self._eval_data.close()
             for f in (self._progress, self._metrics_f, self._writer):
                 if f is not None:
                     f.close()
@@ -388,12 +390,14 @@ class Trainer:
         cfg = self.cfg
         if self._eval_fn is None:
             self._eval_fn = make_eval_step(model)
-        ev = make_data(cfg, "eval", process_index=jax.process_index(), process_count=jax.process_count(),
-                       workers=0)
+        if self._eval_data is None:  # built once; the same eval batches every time
+            self._eval_data = make_data(cfg, "eval", process_index=jax.process_index(),
+                                        process_count=jax.process_count(), workers=0)
+        ev = self._eval_data
+        ev.reset()
         tot = [float(jax.device_get(self._eval_fn(state["params"], state["buffers"],
                                                    self._place_batch(ev.next_batch()))["ce"]))
                for _ in range(cfg.train.eval_batches)]
-        ev.close()
         return {"eval_ce": sum(tot) / len(tot)}
 
 

@@ -220,3 +220,30 @@ def test_train_stopped_and_resumed_equals_uninterrupted_with_workers(tmp_path, d
     assert [r["loss"] for r in rows(part)] == [r["loss"] for r in rows(full)]
     assert [r["data_tokens"] for r in rows(part)] == [r["data_tokens"] for r in rows(full)]
     assert rows(full)[-1]["data_tokens"][f"tokens:{docs_file}/lo.npy"] == 6 * 2 * 16
+
+
+def test_text_documents_tokenized_in_the_pipeline(tmp_path):
+    docs = [f"document {i}: " + "the cat sat on the mat. " * (1 + i % 4) for i in range(60)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    tok = tmp_path / "tok.json"
+    assert cli_main(["tokenizer", "--input", str(tmp_path / "d.jsonl"), "--vocab-size", "300",
+                     "--out", str(tok)]) == 0
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(tok))
+    eot = t.token_to_id("<|endoftext|>")
+    cfg = cfg_for(f"text:{tmp_path}/d.jsonl", tokenizer=str(tok), packing="documents", seq_len=64)
+    a, b = take(make_data(cfg), 3), take(make_data(cfg), 3)
+    assert same(a, b)  # deterministic
+    encoded = {tuple(t.encode(d, add_special_tokens=False).ids) + (eot,) for d in docs}
+    whole = 0
+    for batch in a:
+        seg, inp, tgt = batch["segment_ids"], batch["inputs"], batch["targets"]
+        for r in range(len(seg)):
+            for s in range(1, int(seg[r].max()) + 1):
+                idx = np.flatnonzero(seg[r] == s)
+                ids = (*inp[r, idx].tolist(), int(tgt[r, idx[-1]]))
+                if ids in encoded:  # a whole document (not a piece of a longer one): ends with EOT
+                    whole += 1
+                    assert ids[-1] == eot
+    assert whole >= 6
