@@ -247,3 +247,15 @@ def test_text_documents_tokenized_in_the_pipeline(tmp_path):
                     whole += 1
                     assert ids[-1] == eot
     assert whole >= 6
+
+
+def test_grain_is_imported_only_for_batches(monkeypatch):
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxmoe, jaxmoe.data, jaxmoe.data.mixture, jaxmoe.config; "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'grain'], 'grain imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    monkeypatch.setitem(sys.modules, "grain", None)  # as if grain were not installed
+    with pytest.raises(UserError, match=r"training data needs grain, which is not installed: pip install 'grain"):
+        make_data(cfg_for("default"))
