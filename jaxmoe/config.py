@@ -230,7 +230,7 @@ def validate(cfg: Config) -> Config:
     _positive(cfg, "train", "batch_size", "seq_len", "micro_batches", "steps", "log_every",
               "max_bad_steps")
     _positive(cfg, "train", "checkpoint_every", "keep_checkpoints", "eval_every", "warmup_steps",
-              "muon_ns_steps", "ce_chunk_tokens", "scan_unroll", allow_zero=True)
+              "muon_ns_steps", "ce_chunk_tokens", "scan_unroll", "data_workers", allow_zero=True)
     if t.eval_every > 0 and t.eval_batches <= 0:
         raise ConfigError(f"train.eval_batches={t.eval_batches} must be > 0 when train.eval_every="
                           f"{t.eval_every} > 0 (or set train.eval_every=0 to turn evaluation off)")

@@ -37,6 +37,9 @@ EXTRA_OF = {
 def hint(module: str, what: str) -> str:
     """The one-line message for a missing optional ``module`` needed by ``what``."""
     top = module.split(".")[0]
+    if top == "grain":  # a core dependency (the data pipeline), not an extra
+        return (f"{what} needs grain, which is not installed: pip install 'grain>=0.2.18,<0.3' "
+                "(or reinstall jaxmoe)")
     extra = EXTRA_OF.get(top, "ref")
     if extra == "titan":  # torchtitan's declared dependencies are not needed (pyproject.toml)
         return (f"{what} needs torchtitan, which is not installed: pip install 'jaxmoe[titan]' && "

@@ -38,7 +38,7 @@ from jaxmoe import compile_cache
 from jaxmoe.checkpoint import Checkpointer
 from jaxmoe.config import Config, config_to_toml
 from jaxmoe.counting import flops_per_token
-from jaxmoe.data import make_data
+from jaxmoe.data import gather_states, make_data
 from jaxmoe.errors import UserError
 from jaxmoe.model.transformer import Model, abstract_params, declared_groups, init_fn
 from jaxmoe.optim import build_optimizer, lr_schedule
@@ -213,6 +213,7 @@ class Trainer:
                 shutil.rmtree(rd.path, ignore_errors=True)
             raise
         finally:
+            data.close()  # the Grain worker processes, if any
             rd.unlock()
 
     def _run(self, preempt: Preemption, data) -> RunResult:
@@ -257,7 +258,7 @@ class Trainer:
         self._metrics_f = open(rd.path / "metrics.jsonl", "a") if rd.primary else None
         self._writer = _tensorboard(rd) if rd.primary else None
         self._progress = Progress(t.steps, start) if (rd.primary and not self.quiet) else None
-        self._eval_fn, self._sched = None, lr_schedule(t, t.lr)
+        self._eval_fn, self._eval_data, self._sched = None, None, lr_schedule(t, t.lr)
         self._peak, self._peak_src = device_peak_flops(t.dtype)
         self._fpt, self._n_dev, self._tokens = flops_per_token(cfg), jax.device_count(), t.batch_size * t.seq_len
         self._start, self._timed, self._losses = start, [], []
@@ -272,7 +273,7 @@ class Trainer:
             while step < self.stop_after:
                 state, m = step_fn(state, batch)  # dispatched: runs while the host does the rest
                 step += 1
-                cur = (step, m, {})
+                cur = (step, m, {"data_tokens": prefetch.position["tokens"]})
                 if pending is not None:  # the previous step's metrics, fetched while this one runs
                     stopped = self._finish(pending)
                     pending = None
@@ -289,7 +290,8 @@ class Trainer:
                     # exact: only a state whose last step was finite, except when preempted (the
                     # skipped steps left the params as they were: the state is still consistent)
                     if stop_now or int(jax.device_get(state["bad_steps"])) == 0:
-                        ckpt.save(step, state, {"step": step, "data": prefetch.position,
+                        ckpt.save(step, state, {"step": step,
+                                                "data": gather_states(prefetch.position, jax.process_count()),
                                                 "config": cfg.to_dict()})
                         saved_step = step
                 self._paused += time.perf_counter() - t0
@@ -317,6 +319,8 @@ class Trainer:
             rd.write_record(status=status, last_step=start + len(self._losses))
         finally:
             prefetch.close()
+            if self._eval_data is not None:
+                self._eval_data.close()
             for f in (self._progress, self._metrics_f, self._writer):
                 if f is not None:
                     f.close()
@@ -391,7 +395,11 @@ class Trainer:
         cfg = self.cfg
         if self._eval_fn is None:
             self._eval_fn = make_eval_step(model)
-        ev = make_data(cfg, "eval", process_index=jax.process_index(), process_count=jax.process_count())
+        if self._eval_data is None:  # built once; the same eval batches every time
+            self._eval_data = make_data(cfg, "eval", process_index=jax.process_index(),
+                                        process_count=jax.process_count(), workers=0)
+        ev = self._eval_data
+        ev.reset()
         tot = [float(jax.device_get(self._eval_fn(state["params"], state["buffers"],
                                                    self._place_batch(ev.next_batch()))["ce"]))
                for _ in range(cfg.train.eval_batches)]

@@ -1,11 +1,14 @@
 """Batches prepared ahead of the step that needs them, on a background thread.
 
-:class:`Prefetcher` runs the data source and the placement onto devices (``MeshContext.place_batch``
-or a plain transfer) for the next ``depth`` batches while the current step runs, in order (one
-producer thread, so batches are exactly the synchronous loop's). ``position`` is the data
-source's state after the last batch *handed out*, which is what a checkpoint must save (the
-batches queued ahead are not consumed yet). ``depth=0`` runs everything in the caller's thread.
-An exception in the producer (a bad data file) is raised by the next ``next()``.
+The batches themselves come from the Grain pipeline (:mod:`jaxmoe.data.pipeline`, with its own
+worker processes when ``train.data_workers`` > 0); this thread takes them from it and puts them on
+the devices ahead of the step. :class:`Prefetcher` runs the data source and the placement onto
+devices (``MeshContext.place_batch`` or a plain transfer) for the next ``depth`` batches while
+the current step runs, in order (one producer thread, so batches are exactly the synchronous
+loop's). ``position`` is the data source's state after the last batch *handed out*, which is what
+a checkpoint must save (the batches queued ahead are not consumed yet). ``depth=0`` runs
+everything in the caller's thread. An exception in the producer (a bad data file) is raised by
+the next ``next()``.
 """
 
 from __future__ import annotations

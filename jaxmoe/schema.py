@@ -195,9 +195,16 @@ class TrainConfig:
     # cross-entropy over this many tokens at a time, fused with the LM head, so the [T, V] fp32
     # logits are never held whole (jaxmoe.losses.chunked_cross_entropy); 0 = off
     ce_chunk_tokens: int = 0
-    # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer)
+    # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer),
+    # or a mixture "mix:0.7*SPEC,0.3*SPEC" (jaxmoe.data.mixture)
     data: str = "default"
     tokenizer: str = ""  # path to a HuggingFace tokenizers tokenizer.json for text data
+    # rows (jaxmoe.data.packing): windows = fixed S+1-token windows across documents (no masks);
+    # documents = documents packed first-fit into rows, with segment_ids/positions, padding masked
+    packing: Literal["windows", "documents"] = "windows"
+    doc_sep_id: int = -1  # documents packing on a flat token stream: the separator id (-1: none)
+    mask_doc_start: bool = False  # documents packing: no loss on each document's first target
+    data_workers: int = 0  # Grain worker processes preparing batches (0: in the training process)
     eval_every: int = 20
     eval_batches: int = 2
     log_every: int = 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
@@ -53,7 +52,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     formats.add_arguments(p, ("source",))
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent compilation cache (also JAXMOE_COMPILE_CACHE=0)")
-    p.add_argument("--data", help="default | tokens:PATH(.bin/.npy) | text:PATH (with --set train.tokenizer=...)")
+    p.add_argument("--data", help="default | tokens:PATH(.bin/.npy) | text:PATH (with --set train.tokenizer=...) | "
+                   "mix:0.7*SPEC,0.3*SPEC")
     p.add_argument("--mesh", help="device mesh, e.g. replica=2,fsdp=2,expert=2 (one axis may be -1)")
     p.add_argument("--coordinator", help="multi-host: coordinator HOST:PORT for jax.distributed")
     p.add_argument("--num-processes", type=int, help="multi-host: number of processes")
@@ -248,13 +248,9 @@ def _wants_mesh(cfg: Config) -> bool:
 
 
 def _check_data_path(cfg: Config) -> None:
-    spec = cfg.train.data
-    if spec == "default":
-        return
-    if ":" not in spec:
-        raise UserError(f"--data {spec!r}: expected default, tokens:PATH or text:PATH")
-    kind, path = spec.split(":", 1)
-    if kind not in ("tokens", "text"):
-        raise UserError(f"--data {spec!r}: unknown kind {kind!r}; expected tokens:PATH or text:PATH")
-    if not os.path.exists(path):
-        raise UserError(f"--data: {path} does not exist")
+    """The spec's form (``mix:`` weights included); kinds and paths are checked by the sources."""
+    from jaxmoe.data.mixture import parse_data_spec  # pure Python: no grain needed here
+
+    for _, spec in parse_data_spec(cfg.train.data):
+        if spec != "default" and ":" not in spec:
+            raise UserError(f"--data {spec!r}: expected default, KIND:PATH (tokens:, text:, ...) or mix:...")
