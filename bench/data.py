@@ -58,12 +58,9 @@ def write_files(d: Path, n_tokens: int) -> dict:
     except Exception as e:  # noqa: BLE001 - reported
         out["parquet"] = (None, [f"cannot write: {e}"])
     try:
-        from array_record.python.array_record_module import ArrayRecordWriter
+        from jaxmoe.data.sources import write_arrayrecord
 
-        w = ArrayRecordWriter(str(d / "docs.array_record"), "group_size:1")
-        for x in docs:
-            w.write(x.astype("<i4").tobytes())
-        w.close()
+        write_arrayrecord(d / "docs.array_record", docs)
         out["arrayrecord"] = (f"arrayrecord:{d}/docs.array_record", [])
     except Exception as e:  # noqa: BLE001
         out["arrayrecord"] = (None, [f"cannot write: {e}"])
