@@ -182,7 +182,7 @@ def _bad(tmp):
         (["train.data=mix:x*default"], "is not a number"),
         (["train.data=mix:1*default,1*default"], "twice"),
         (["train.packing=rows"], "train.packing"),
-        (["train.packing=documents"], "set train.doc_sep_id"),
+        ([f"train.data=tokens:{tmp}/big.bin", "train.packing=documents"], "set train.doc_sep_id"),
         (["train.data_workers=-1"], "train.data_workers=-1 must be >= 0"),
         (["train.mask_doc_start=true"], "needs train.packing=documents"),
     ]
@@ -259,3 +259,14 @@ def test_grain_is_imported_only_for_batches(monkeypatch):
     monkeypatch.setitem(sys.modules, "grain", None)  # as if grain were not installed
     with pytest.raises(UserError, match=r"training data needs grain, which is not installed: pip install 'grain"):
         make_data(cfg_for("default"))
+
+
+def test_default_corpus_packs_its_files_as_documents():
+    """`default` has documents (one per standard-library file) without a separator id: documents
+    packing gives segment ids and per-document positions, each row starting a document at 0."""
+    b = make_data(cfg_for("default", packing="documents")).next_batch()
+    assert {"segment_ids", "positions"} <= set(b)
+    assert (b["segment_ids"][:, 0] == 1).all() and (b["positions"][:, 0] == 0).all()
+    seg, pos = b["segment_ids"], b["positions"]
+    same = seg[:, 1:] == seg[:, :-1]
+    assert (pos[:, 1:][same & (seg[:, 1:] > 0)] == pos[:, :-1][same & (seg[:, 1:] > 0)] + 1).all()

@@ -62,7 +62,9 @@ class _Part:
         self.src = open_source(spec, doc_sep=sep if docs_mode else None)
         self.tokenize = Tokenize(t.tokenizer) if self.src.text else None
         self.flat = self.src.stream is not None and not docs_mode
-        if docs_mode and self.src.stream is not None and sep is None:
+        # `default` has its documents (one per standard-library file); a tokens: file has none
+        # without its separator (a whole shard would be one document)
+        if docs_mode and self.src.stream is not None and sep is None and spec != "default":
             raise UserError(f"train.packing=documents needs document boundaries in the flat token "
                             f"stream {spec}: set train.doc_sep_id to its separator token id")
         if self.tokenize is not None:
