@@ -100,7 +100,8 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
                         "routing; 1 = the plain init)")
     r.add_argument("--packed", action="store_true",
                    help="batches of packed documents (segment_ids, per-document positions): attention "
-                        "masked at document boundaries and RoPE per document, on both sides (torch_ref only)")
+                        "masked at document boundaries and RoPE per document, on both sides (torch_ref, "
+                        "or torchtitan's flex block-causal forward with --steps 0)")
     r.add_argument("--all", action="store_true", help="run the whole coverage matrix; write summary.json")
     r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     s = sub.add_parser("selftest", help="inject faults into torch_ref and check that they are caught",

@@ -238,6 +238,8 @@ def test_packed_flag_rejects_other_references():
 
     with pytest.raises(UserError, match="--packed"):
         run_suite(RunOptions(preset="tiny", profile="fast", packed=True, steps=0, reference="hf"))
+    with pytest.raises(UserError, match="--steps 0"):  # torchtitan's flex: forward only on CPU
+        run_suite(RunOptions(reference="torchtitan", titan="deepseek_v3/debugmodel", packed=True, steps=2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,3 +280,33 @@ def test_one_document_per_row_is_bitwise_the_unpacked_batch():
         t1 = tm(torch.from_numpy(toks[:, :-1]).long(), segment_ids=torch.ones(2, 16, dtype=torch.long),
                 positions=torch.arange(16).expand(2, 16))[0]
     assert torch.equal(t0, t1)
+
+
+# --------------------------------------------------------------------------------------------
+# torchtitan: its flex block-causal forward on a packed batch
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_titan_flex_block_causal_forward_on_packed_batch(monkeypatch):
+    """jaxmoe's packed forward (segment_ids + per-document positions) against torchtitan's own
+    FlexAttention with its document mask from the same per-document positions (which also drive
+    its RoPE): routing, logits, loss within the fp32 tolerances. Control: jaxmoe run without the
+    packing keys on the same batch fails (the comparison sees the masking)."""
+    pytest.importorskip("torchtitan")
+    import parity.sides
+    from parity.titan_runner import TITAN_INIT_SCALE
+
+    opts = RunOptions(reference="torchtitan", titan="deepseek_v3/debugmodel", packed=True, steps=0,
+                      profile="fast", init_scale=TITAN_INIT_SCALE)
+    rep = run_suite(opts)
+    checks = {c["name"]: c for c in rep["checks"]}
+    assert rep["passed"], rep["first_divergence"]
+    for k in ("logits", "logits_kl", "loss:ce"):
+        assert checks[k]["passed"]
+    assert sum(k.startswith("routing[") for k in checks) == 5
+    assert not any(k.startswith("grad:") for k in checks)  # forward only: flex has no CPU backward
+
+    monkeypatch.setattr(parity.sides, "packing_kwargs", lambda batch: {})  # jaxmoe ignores the documents
+    bad = run_suite(opts)
+    assert not bad["passed"]

@@ -20,6 +20,9 @@ token ``i`` attends to token ``j`` iff ``j <= i`` and ``segment_ids[i] == segmen
 attends to itself and the padding before it, so its row always has a visible key (the diagonal)
 and no softmax sees only ``-inf`` (no NaN; its loss is masked anyway). ``segment_ids=None`` is
 plain causal attention over the whole row, with the very same graph as before packing existed.
+The ``dot_product`` kernel passes the same-segment test as ``mask [B, 1, S, S]`` next to
+``is_causal``; jax hands it to cuDNN as an additive ``[B, 1, S, S]`` bias in the compute dtype (a
+GPU path not exercised by the CPU test suite).
 
 MLA's value head dim differs from its query/key head dim; ``jax.nn.dot_product_attention`` needs
 equal head dims (jax 0.10-0.12), so the narrower side is zero-padded (zeros in v give zero output
