@@ -140,7 +140,11 @@ def test_attend_packed_equals_documents_alone(monkeypatch):
         np.testing.assert_array_equal(whole, np.asarray(fn(q, k, v)))
 
 
-@pytest.mark.parametrize("preset,kernel", [("tiny", "dot_product"), ("tiny-mla", "explicit")])
+# tiny + dot_product in the slow set (CI time): GQA with the dot_product kernel is covered in CI by the
+# attention test above, torch_ref's masking by the MLA case (one attention function) and the
+# half-layout RoPE with positions by test_positions_drive_rope
+@pytest.mark.parametrize("preset,kernel", [pytest.param("tiny", "dot_product", marks=pytest.mark.slow),
+                                           ("tiny-mla", "explicit")])
 def test_model_packed_row_equals_documents_alone(preset, kernel):
     """The whole model (RoPE / YaRN from the per-document positions, every layer's attention
     masked, MoE per token): a packed row's logits are those of each document alone at the start
@@ -205,16 +209,34 @@ def test_positions_drive_rope():
 # --------------------------------------------------------------------------------------------
 
 
+JAX_CACHE: dict = {}  # jaxmoe's weights and forward, shared by the packed parity runs below
+
+
 @pytest.mark.parametrize("preset", [pytest.param("tiny", marks=pytest.mark.slow), "tiny-mla"])
 def test_parity_packed_batch_every_gradient(preset):
     """Logits, every probe, the losses and every parameter's gradient (micro-batch accumulation:
     the training path) of jaxmoe vs torch_ref on a packed batch, at the parity tolerances."""
-    rep = run_suite(RunOptions(preset=preset, profile="fast", packed=True, steps=0))
+    rep = run_suite(RunOptions(preset=preset, profile="fast", packed=True, steps=0), jax_cache=JAX_CACHE)
     assert rep["passed"], [c for c in rep["checks"] if not c["passed"]][:5]
     names = {n for n, _ in TorchTransformer(load_config(preset), seed=0).named_parameters()}
     grads = {c["name"].split(":", 1)[1] for c in rep["checks"] if c["name"].startswith("grad:")}
     assert grads == names
     assert any(c["name"] == "logits" or c["name"].startswith("logits") for c in rep["checks"])
+
+
+def test_parity_packed_catches_a_missing_document_mask(monkeypatch):
+    """torch_ref attending across documents (plain causal mask) on the packed batch: the suite
+    fails, first in layer 0's attention output."""
+    import torch_ref.attention as tattn
+
+    def causal_only(seg):
+        s = seg.shape[-1]
+        return torch.ones(s, s, dtype=torch.bool).tril().expand(seg.shape[0], s, s)
+
+    monkeypatch.setattr(tattn, "document_mask", causal_only)
+    rep = run_suite(RunOptions(preset="tiny-mla", profile="fast", packed=True, steps=0), jax_cache=JAX_CACHE,
+                    with_grads=False, with_steps=False)
+    assert not rep["passed"] and rep["first_divergence"]["name"] == "attn_out[0]", rep["first_divergence"]
 
 
 def test_parity_packed_batches_hold_documents():
@@ -249,11 +271,11 @@ def test_packed_flag_rejects_other_references():
 
 def test_one_document_per_row_is_bitwise_the_unpacked_batch():
     """Rows of one document each (segment 1, positions 0..S-1) give the unpacked batch's loss and
-    routing bit for bit in jaxmoe (MLA + YaRN; the kernels alone: the attention test above) and its
-    logits in torch_ref; the unpacked graph holds no
+    routing bit for bit in jaxmoe (GQA; the kernels alone: the attention test above) and its logits
+    in torch_ref; the unpacked graph (GQA and MLA, both kernels) holds no
     segment mask (windows do not pay for packing: the unpacked jaxpr is the one from before packing
     existed, checked against the parent commit when this was written)."""
-    cfg = load_config("tiny-mla", overrides=["train.batch_size=2", "train.seq_len=16"])
+    cfg = load_config("tiny", overrides=["train.batch_size=2", "train.seq_len=16"])
     params, buffers = init_params(cfg, 0)
     rng = np.random.default_rng(5)
     toks = rng.integers(0, cfg.model.vocab_size, (2, 17)).astype(np.int32)
@@ -266,12 +288,14 @@ def test_one_document_per_row_is_bitwise_the_unpacked_batch():
     (l0, (m0, a0)), (l1, (m1, a1)) = loss(plain), loss(one_doc)
     assert float(l0) == float(l1) and float(m0["ce"]) == float(m1["ce"])
     np.testing.assert_array_equal(np.asarray(a0["router"]["scores"]), np.asarray(a1["router"]["scores"]))
-    for kernel in ("explicit", "dot_product"):
-        kcfg = load_config("tiny-mla", overrides=["train.batch_size=2", "train.seq_len=16",
+    for preset in ("tiny", "tiny-mla"):
+        kp, kb = (params, buffers) if preset == "tiny" else init_params(load_config(preset), 0)
+        for kernel in ("explicit", "dot_product"):
+            kcfg = load_config(preset, overrides=["train.batch_size=2", "train.seq_len=16",
                                                   f"train.attention_kernel={kernel}"])
-        jp = str(jax.make_jaxpr(lambda x, kcfg=kcfg: model_loss(Model(kcfg), params, buffers, x)[0])(plain))
-        jd = str(jax.make_jaxpr(lambda x, kcfg=kcfg: model_loss(Model(kcfg), params, buffers, x)[0])(one_doc))
-        assert not any(m in jp for m in masks) and any(m in jd for m in masks), kernel
+            jp = str(jax.make_jaxpr(lambda x, c=kcfg, p=kp, b=kb: model_loss(Model(c), p, b, x)[0])(plain))
+            jd = str(jax.make_jaxpr(lambda x, c=kcfg, p=kp, b=kb: model_loss(Model(c), p, b, x)[0])(one_doc))
+            assert not any(m in jp for m in masks) and any(m in jd for m in masks), (preset, kernel)
 
     tm = TorchTransformer(cfg)
     tm.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in to_hf(cfg, params, buffers).items()}, strict=False)
