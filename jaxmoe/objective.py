@@ -7,7 +7,9 @@ CE and the output z-loss are sums over valid tokens divided by the *global* vali
 micro sums equal the full batch exactly; aux router losses (load balance, sequence aux, router z)
 are per micro-batch and averaged over micro-batches (as Megatron and torchtitan do). Forced
 routing (parity replays: ``batch["forced_idx"]``, :func:`with_forced_routing`) goes through the
-same function, so parity checks the training objective itself. The functions here take the
+same function, so parity checks the training objective itself. A batch of packed documents also
+holds ``segment_ids`` and ``positions`` ``[B, S]`` (:func:`packing_kwargs`); they go to the model
+and are split into micro-batches with the rows they describe. The functions here take the
 :class:`~jaxmoe.model.transformer.Model` (the config plus the dispatcher of its mesh).
 """
 
@@ -24,11 +26,13 @@ from jaxmoe.model.transformer import Model
 def model_loss(model: Model, params, buffers, batch, *, n_valid=None):
     """The model's forward + ``compute_loss``: returns ``(total, (metrics, aux))`` for ``jax.grad``.
     ``batch``: ``inputs``, ``targets``, ``mask`` ``[B, S]`` and, for a replayed routing,
-    ``forced_idx [B, S, Lm, k]`` (:func:`with_forced_routing`)."""
+    ``forced_idx [B, S, Lm, k]`` (:func:`with_forced_routing`); packed documents: ``segment_ids``
+    and ``positions`` ``[B, S]`` (:func:`packing_kwargs`)."""
     cfg = model.cfg
     forced_idx = _forced_from_batch(batch)
+    pk = packing_kwargs(batch)
     if cfg.train.ce_chunk_tokens > 0:  # CE fused with the LM head, chunked: no [T, V] logits held
-        hidden, head, aux = model(params, buffers, batch["inputs"], forced_idx=forced_idx, return_hidden=True)
+        hidden, head, aux = model(params, buffers, batch["inputs"], forced_idx=forced_idx, return_hidden=True, **pk)
         zc = cfg.train.z_loss_coef
         tok_loss, _, z = chunked_cross_entropy(hidden, head, batch["targets"], batch["mask"], n_valid,
                                                cfg.train.ce_chunk_tokens, zc)
@@ -37,9 +41,19 @@ def model_loss(model: Model, params, buffers, batch, *, n_valid=None):
         # gradient of ce + zc * z, which is how weigh_terms and make_grad_fn combine the two
         total, metrics = weigh_terms(cfg, tok_loss - zc * z, z, router_losses(cfg, aux["router"], b, s))
         return total, (metrics, aux)
-    logits, aux = model(params, buffers, batch["inputs"], forced_idx=forced_idx)
+    logits, aux = model(params, buffers, batch["inputs"], forced_idx=forced_idx, **pk)
     total, metrics = compute_loss(cfg, logits, aux, batch, n_valid)
     return total, (metrics, aux)
+
+
+PACKING_KEYS = ("segment_ids", "positions")  # the optional batch keys of packed documents
+
+
+def packing_kwargs(batch: dict) -> dict:
+    """The model keyword arguments of packed documents present in ``batch``: ``segment_ids``
+    ``[B, S]`` (documents 1, 2, ... per row, 0 = padding) and ``positions`` ``[B, S]`` (position
+    inside the document). Neither key -> ``{}``: the model runs exactly as on plain windows."""
+    return {k: batch[k] for k in PACKING_KEYS if batch.get(k) is not None}
 
 
 def with_forced_routing(batch: dict, forced_idx) -> dict:
@@ -62,7 +76,7 @@ def _forced_from_batch(batch: dict):
 def lm_loss(model, batch: dict) -> jax.Array:
     """The training loss of an NNX :class:`~jaxmoe.model.transformer.Transformer` on ``batch``
     (``inputs``, ``targets`` int ``[B, S]``, ``mask`` ``[B, S]``): for ``nnx.value_and_grad``."""
-    logits, aux = model(batch["inputs"], forced_idx=_forced_from_batch(batch))
+    logits, aux = model(batch["inputs"], forced_idx=_forced_from_batch(batch), **packing_kwargs(batch))
     total, _ = compute_loss(model.cfg, logits, aux, batch)
     return total
 
@@ -155,4 +169,5 @@ def make_grad_fn(model: Model):
     return grads_fn
 
 
-__all__ = ["lm_loss", "make_grad_fn", "model_loss", "router_stats", "split_micro_batches", "with_forced_routing"]
+__all__ = ["PACKING_KEYS", "lm_loss", "make_grad_fn", "model_loss", "packing_kwargs", "router_stats",
+           "split_micro_batches", "with_forced_routing"]

@@ -1,7 +1,7 @@
 """The parity command line: ``python -m parity run|selftest ...`` and ``jaxmoe parity ...``.
 
 ``run``: one comparison (``--preset``, ``--set``, ``--dtype``, ``--steps``, ``--optimizer``,
-``--seed``, ``--out``, ``--mesh``, ``--force-routing``, ``--profile``) or the whole coverage
+``--seed``, ``--out``, ``--mesh``, ``--force-routing``, ``--profile``, ``--packed``) or the whole coverage
 matrix (``--all``, see :data:`MATRIX`), writing report.json / report.md / plots per run and, for
 ``--all``, summary.json plus a printed table. ``selftest``: fault injection
 (:mod:`parity.faults`). Exit status 0 when everything passed, 1 when a check failed, 2 for bad
@@ -50,6 +50,10 @@ MATRIX = [
     ("tiny-mla-force-torch", "tiny-mla", [], {"force_routing": "torch"}),
     ("tiny-force-jax", "tiny", [], {"force_routing": "jax"}),
     ("tiny-mla-mesh-expert4-fsdp2", "tiny-mla", [], {"mesh": "expert=4,fsdp=2"}),
+    # packed documents: segment masks and per-document RoPE positions on both sides
+    ("tiny-packed", "tiny", [], {"packed": True}),
+    ("tiny-mla-packed", "tiny-mla", [], {"packed": True}),
+    ("tiny-mla-packed-micro2", "tiny-mla", ["train.micro_batches=2"], {"packed": True}),
     # transformers as the reference (parity.hf_runner)
     ("tiny-hf", "tiny", [], {"reference": "hf"}),
     ("tiny-mla-hf", "tiny-mla", [], {"reference": "hf"}),
@@ -94,6 +98,10 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
     r.add_argument("--init-scale", type=float, default=None, metavar="S",
                    help="multiply the init's weight matrices by S (default 8: logit std ~1.3, decisive "
                         "routing; 1 = the plain init)")
+    r.add_argument("--packed", action="store_true",
+                   help="batches of packed documents (segment_ids, per-document positions): attention "
+                        "masked at document boundaries and RoPE per document, on both sides (torch_ref, "
+                        "or torchtitan's flex block-causal forward with --steps 0)")
     r.add_argument("--all", action="store_true", help="run the whole coverage matrix; write summary.json")
     r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     s = sub.add_parser("selftest", help="inject faults into torch_ref and check that they are caught",
@@ -111,7 +119,8 @@ def _options(args, preset, overrides, extra, name=None):
 
     kw = dict(preset=preset, overrides=list(overrides), dtype=args.dtype, steps=args.steps,
               optimizer=args.optimizer, seed=args.seed, mesh=args.mesh, force_routing=args.force_routing,
-              profile=args.profile, name=name)
+              profile=args.profile, name=name,
+              packed=getattr(args, "packed", False) and not getattr(args, "all", False))  # --all: the matrix says
     if args.init_scale is not None:
         kw["init_scale"] = args.init_scale
     if getattr(args, "reference", None) and not getattr(args, "all", False):  # --all: the matrix says

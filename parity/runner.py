@@ -8,7 +8,8 @@ One run (:func:`run_suite`) goes, top to bottom (the set-up and the two sides ar
    ``--optimizer`` on *both* sides (fp32 master weights; the dtype is the compute dtype).
 3. **Weights, built once** (:func:`parity.sides.init_weights`), given to torch_ref by HF name
    (:func:`parity.sides.to_hf`).
-4. **Batches** (:func:`parity.sides.make_batches`).
+4. **Batches** (:func:`parity.sides.make_batches`); with ``--packed`` rows of packed documents
+   (``segment_ids`` / ``positions``: attention masked at document boundaries, per-document RoPE).
 5. **Forward** on both sides with probes. Routing per MoE layer: index sets (exact; mismatches
    classified as near-ties or real), then the *comparison forward*: if there were near-tie flips,
    or ``--force-routing`` asks for it, one side replays the other's expert choices
@@ -81,6 +82,7 @@ class RunOptions:
     titan: str | None = None  # --reference torchtitan: FAMILY/FLAVOR (parity.titan_runner)
     titan_overrides: list = field(default_factory=list)  # --titan-set PATH=VALUE (torchtitan config)
     init_scale: float = DEFAULT_INIT_SCALE  # weight matrices x this (parity.sides.scale_init)
+    packed: bool = False  # batches of packed documents (segment_ids, positions): parity.sides.pack_rows
 
     @property
     def label(self) -> str:
@@ -94,6 +96,8 @@ class RunOptions:
             parts.append(f"force-{self.force_routing}")
         if self.mesh:
             parts.append(self.mesh.replace(",", "_").replace("=", ""))
+        if self.packed:
+            parts.append("packed")
         return "-".join(parts)
 
 
@@ -183,6 +187,9 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     """Run one parity comparison; returns the report dict (see module doc)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    if opts.packed and opts.reference == "hf":
+        raise UserError("--packed compares against torch_ref or torchtitan (not --reference hf); "
+                        "drop --packed or --reference")
     if opts.reference == "torchtitan":  # the config comes from the flavor, not a preset
         from parity.titan_runner import run_titan_suite  # late: imports torchtitan
 
@@ -208,7 +215,7 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     if opts.mesh:
         cfg, ctx = build_context(cfg, parse_mesh(opts.mesh))
 
-    key = (cfg.to_json(), opts.seed, opts.randomize_bias, opts.mesh, opts.init_scale)
+    key = (cfg.to_json(), opts.seed, opts.randomize_bias, opts.mesh, opts.init_scale, opts.packed)
     cache = jax_cache.setdefault(key, {}) if jax_cache is not None else {}
     if "weights" not in cache:
         cache["weights"] = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
@@ -217,7 +224,7 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         cache["hf"] = to_hf(cfg, params, buffers)
     hf = cache["hf"]
     bias = to_numpy(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
-    batches = make_batches(cfg, max(1, n_steps), opts.seed)
+    batches = make_batches(cfg, max(1, n_steps), opts.seed, packed=opts.packed)
     timings["setup"] = time.perf_counter() - t0
 
     # A fault may patch the jax side (parity.faults: a backward or dispatch fault). Its patch is

@@ -8,7 +8,10 @@
   (:func:`to_hf`: jaxmoe layout -> HF names, [in, out] -> [out, in]) and
   ``load_state_dict(strict=True)``.
 * **Batches** (:func:`make_batches`): random tokens from a seeded numpy generator, targets = next
-  token, a few padded (mask 0) positions so that the valid-token normalisation is exercised.
+  token, a few padded (mask 0) positions so that the valid-token normalisation is exercised. With
+  ``packed`` (``python -m parity run --packed``) every row is packed with documents of random
+  lengths (:func:`pack_rows`): the batch also holds ``segment_ids`` and ``positions``, which
+  both sides get, so attention masking across documents and per-document RoPE are compared.
 * **The sides**: :class:`JaxSide` and :class:`TorchSide`, each with ``forward`` (probes and
   losses), ``grads`` (by HF name) and ``train`` (N optimizer steps).
 
@@ -130,9 +133,11 @@ def to_hf(cfg: Config, params, buffers=None, *, with_buffers: bool = True) -> di
     return out
 
 
-def make_batches(cfg: Config, n: int, seed: int) -> list[dict]:
+def make_batches(cfg: Config, n: int, seed: int, packed: bool = False) -> list[dict]:
     """``n`` batches ``{"inputs", "targets" int32 [B, S], "mask" f32 [B, S]}`` of random tokens
-    (targets = the next token); the last 3 positions of the last row are padding (mask 0)."""
+    (targets = the next token); the last 3 positions of the last row are padding (mask 0). With
+    ``packed``, also ``segment_ids`` and ``positions`` int32 ``[B, S]`` (:func:`pack_rows`; the
+    padding is segment 0)."""
     rng = np.random.default_rng(seed + 777)
     b, s, v = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
     out = []
@@ -140,18 +145,54 @@ def make_batches(cfg: Config, n: int, seed: int) -> list[dict]:
         toks = rng.integers(0, v, size=(b, s + 1), dtype=np.int64).astype(np.int32)
         mask = np.ones((b, s), np.float32)
         mask[-1, -3:] = 0.0
-        out.append({"inputs": toks[:, :-1].copy(), "targets": toks[:, 1:].copy(), "mask": mask})
+        batch = {"inputs": toks[:, :-1].copy(), "targets": toks[:, 1:].copy(), "mask": mask}
+        if packed:
+            batch["segment_ids"], batch["positions"] = pack_rows(rng, mask > 0)
+        out.append(batch)
     return out
+
+
+def pack_rows(rng: np.random.Generator, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``segment_ids``, ``positions`` int32 ``[B, S]`` for rows whose ``valid [B, S]`` tokens (a
+    prefix of each row) are cut into documents of random lengths 1 .. S/2 (the last one cut short
+    at the row's end): documents numbered 1, 2, ... per row, positions 0, 1, ... inside each; the
+    invalid tail (padding) is segment 0 with positions 0, 1, ... of its own."""
+    b, s = valid.shape
+    seg = np.zeros((b, s), np.int32)
+    pos = np.zeros((b, s), np.int32)
+    for r in range(b):
+        n_valid = int(valid[r].sum())
+        start, doc = 0, 1
+        while start < n_valid:
+            ln = min(int(rng.integers(1, max(2, s // 2) + 1)), n_valid - start)
+            seg[r, start:start + ln] = doc
+            pos[r, start:start + ln] = np.arange(ln)
+            start, doc = start + ln, doc + 1
+        pos[r, n_valid:] = np.arange(s - n_valid)
+    return seg, pos
+
+
+PACKING_KEYS = ("segment_ids", "positions")  # jaxmoe.objective.PACKING_KEYS (kept jax-free here)
 
 
 def torch_batch(batch: dict) -> dict:
     import torch  # late: torch (see the note on imports)
 
-    return {
+    out = {
         "inputs": torch.from_numpy(batch["inputs"].astype(np.int64)),
         "targets": torch.from_numpy(batch["targets"].astype(np.int64)),
         "mask": torch.from_numpy(batch["mask"]),
     }
+    for k in PACKING_KEYS:
+        if batch.get(k) is not None:
+            out[k] = torch.from_numpy(np.asarray(batch[k]).astype(np.int64))
+    return out
+
+
+def packing_kwargs(batch: dict) -> dict:
+    """The model keyword arguments of a packed batch (``segment_ids``, ``positions``); ``{}``
+    for a plain one."""
+    return {k: batch[k] for k in PACKING_KEYS if batch.get(k) is not None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,8 +244,8 @@ class JaxSide:
         self.params, self.buffers = params, buffers
         model = self.model
 
-        def fwd(p, b, tokens, forced):
-            return model(p, b, tokens, forced_idx=forced, return_probes=True)
+        def fwd(p, b, tokens, forced, pk):
+            return model(p, b, tokens, forced_idx=forced, return_probes=True, **pk)
 
         self._fwd = jax.jit(fwd)
 
@@ -223,7 +264,7 @@ class JaxSide:
 
         jb = self.batch(batch)
         f = None if forced is None else jnp.asarray(forced, jnp.int32)
-        logits, aux = self._fwd(self.params, self.buffers, jb["inputs"], f)
+        logits, aux = self._fwd(self.params, self.buffers, jb["inputs"], f, packing_kwargs(jb))
         _, metrics = compute_loss(self.cfg, logits, aux, jb)
         return {"logits": to_numpy(logits), "aux": _tree_np(aux), "losses": {k: float(v) for k, v in metrics.items()}}
 
@@ -335,7 +376,7 @@ class TorchSide:
         tb = torch_batch(batch)
         f = None if forced is None else torch.from_numpy(np.asarray(forced).astype(np.int64))
         with self.patched(), torch.no_grad():
-            logits, aux = self.model(tb["inputs"], forced_idx=f, return_probes=True)
+            logits, aux = self.model(tb["inputs"], forced_idx=f, return_probes=True, **packing_kwargs(tb))
             _, metrics = compute_loss(self.cfg, logits, aux, tb)
         return {"logits": to_numpy(logits), "aux": _tree_np(aux), "losses": dict(metrics)}
 
@@ -355,7 +396,8 @@ class TorchSide:
                 n = cfg.train.micro_batches
                 n_valid = ((tb["mask"] > 0) & (tb["targets"] >= 0)).sum().clamp(min=1)
                 for mb, fi in zip(split_rows(tb, n), split_forced(forced, cfg, n)):
-                    logits, aux = model(mb["inputs"], forced_idx=torch.from_numpy(fi.astype(np.int64)))
+                    logits, aux = model(mb["inputs"], forced_idx=torch.from_numpy(fi.astype(np.int64)),
+                                        **packing_kwargs(mb))
                     terms = loss_terms(cfg, logits, aux, mb, n_valid=n_valid)
                     weighted_total(cfg, terms, aux_scale=1.0 / n).backward()
         out = {}

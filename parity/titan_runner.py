@@ -24,6 +24,10 @@ One run (:func:`run_titan_suite`), same structure and report as :func:`parity.ru
    compared by :func:`parity.checks.compare_steps`: the losses, every parameter after update 1
    and after N, the expert biases.
 
+``--packed`` (``--steps 0``): batches of packed documents; torchtitan runs its own FlexAttention
+with the document mask built from the per-document ``positions`` (forward only: routing, logits
+and loss; flex has no CPU backward; :mod:`parity.titan_side`, "Packed documents").
+
 fp32 only for now (tolerance profile ``float32-adamw``). A flavor whose torchtitan expert bias
 jaxmoe does not map (softmax scores, e.g. qwen3) trains with torchtitan's bias hook off (noted in
 the report): jaxmoe's bias is sigmoid-only.
@@ -106,6 +110,9 @@ def run_titan_suite(opts, n_steps: int) -> dict:
         raise UserError("--reference torchtitan: fp32 only for now (--dtype float32)")
     if n_steps < 0:
         raise UserError(f"--steps {n_steps}: must be >= 0")
+    if opts.packed and n_steps:
+        raise UserError("--packed --reference torchtitan compares one forward (flex attention has no CPU "
+                        "backward): use --steps 0")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     tcfg, cfg = titan_config(opts, n_steps)
@@ -114,8 +121,8 @@ def run_titan_suite(opts, n_steps: int) -> dict:
     params, buffers = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
     tensors = to_titan(cfg, params, buffers)
     bias = to_numpy(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
-    batches = make_batches(cfg, max(1, n_steps), opts.seed)
-    ts = TitanSide(tcfg.titan, tensors, fp32_experts=True)
+    batches = make_batches(cfg, max(1, n_steps), opts.seed, packed=opts.packed)
+    ts = TitanSide(tcfg.titan, tensors, fp32_experts=True, flex=opts.packed)
     js = JaxSide(cfg, params, buffers, namer=to_titan)
     timings["setup"] = time.perf_counter() - t0
 
@@ -130,15 +137,19 @@ def run_titan_suite(opts, n_steps: int) -> dict:
     layer_errors = compare_forward(cfg, jf, tf, tol, checks)
     compare_losses(jf["losses"], tf["losses"], tol, checks, keys=("ce", "loss"))
 
-    t = time.perf_counter()
-    jg = js.grads(batches[0])
-    timings["jax_grads"] = time.perf_counter() - t
-    t = time.perf_counter()
-    tg = ts.grads(batches[0])
-    timings["torch_grads"] = time.perf_counter() - t
-    grad_worst = compare_named("grad", jg, tg, tol.grad_rel_l2, checks, "backward")
-
+    grad_worst: dict = {}
     curves, notes = None, list(tcfg.notes)
+    if opts.packed:
+        notes.append("packed documents: torchtitan's flex block-causal forward only (no CPU backward)")
+    else:
+        t = time.perf_counter()
+        jg = js.grads(batches[0])
+        timings["jax_grads"] = time.perf_counter() - t
+        t = time.perf_counter()
+        tg = ts.grads(batches[0])
+        timings["torch_grads"] = time.perf_counter() - t
+        grad_worst = compare_named("grad", jg, tg, tol.grad_rel_l2, checks, "backward")
+
     if n_steps > 0:
         titan_bias = any(b.expert_bias_E is not None for b in ts.moe_blocks())
         hook = titan_bias and cfg.moe.use_expert_bias
@@ -156,7 +167,7 @@ def run_titan_suite(opts, n_steps: int) -> dict:
 
     items = checks.items
     return assemble(
-        opts.name or f"titan-{opts.titan.replace('/', '-')}-{opts.dtype}", items,
+        opts.name or f"titan-{opts.titan.replace('/', '-')}-{opts.dtype}" + ("-packed" if opts.packed else ""), items,
         first_divergence=first_divergence(items), routing=routing,
         comparison_routing="natural (torchtitan's router is not replayed)", curves=curves,
         layer_errors=layer_errors, grad_worst=grad_worst, tol=tol, opts=opts, n_steps=n_steps, cfg=cfg,

@@ -15,7 +15,9 @@ site-packages is edited):
 * **attention**: torchtitan's language models use flex attention (no CPU backward) or varlen (no
   CPU kernel). Each layer's ``attention.inner_attention`` config is replaced with
   ``ScaledDotProductAttention.Config()`` before ``build()``: causal attention over the whole
-  sequence (no per-document masking; the parity batches are one document per row).
+  sequence (no per-document masking; the parity batches are one document per row). A packed run
+  (``--packed``, ``flex=True``) keeps torchtitan's own ``FlexAttention``: forward only, under
+  ``no_grad`` (see "Packed documents" below).
 * **expert precision** (``fp32_experts=True``, the default): ``GroupedExperts.forward`` casts
   tokens and the three expert weights to **bf16** before ``torch._grouped_mm`` even in an fp32
   model (measured 4e-5 on logits). :class:`FP32GroupedExperts` is the same forward without the
@@ -23,6 +25,19 @@ site-packages is edited):
   it. ``fp32_experts=False`` keeps torchtitan's stock bf16 experts (the reported bf16 profile).
 * **threads**: ``torch.set_num_threads(1)``. With fp32 experts on 2 threads most gradients differ
   run to run by ~1e-7; on one thread they are bitwise reproducible.
+* **Packed documents** (``--packed``): torchtitan 0.3.0 marks documents by ``positions`` alone
+  (its dataloaders emit per-document positions, padding included: a padded tail gets positions
+  ``0, 1, ...`` of its own). ``Decoder.get_attention_masks(positions)`` builds the flex
+  ``BlockMask`` of ``causal AND same document`` with the document id ``cumsum(positions == 0)``
+  (``get_efficient_causal_mask_mod_for_packed_document``), and RoPE indexes its cache with the
+  same per-document ``positions``. jaxmoe's ``segment_ids`` correspond exactly when every
+  document (and the padded tail) starts at position 0 and positions restart nowhere else -- what
+  :func:`parity.sides.pack_rows` makes and the batch contract says; then the two masks are equal
+  and both sides rotate by the same positions. (Where they could differ: two padding runs
+  separated by a document are one segment 0 to jaxmoe and two documents to torchtitan.) The
+  compiled flex kernel (``torch.compile`` of ``flex_attention``, inductor C++ on CPU) runs the
+  forward; its backward is not supported on CPU, so a packed torchtitan run compares the forward
+  (routing, logits, loss) only.
 * **ParallelDims**: not needed; the model is built and run without a device mesh (its token
   dispatcher falls back to local dispatch when there is no expert-parallel mesh).
 """
@@ -59,15 +74,21 @@ def _fp32_experts_class():
     return FP32GroupedExperts
 
 
-def build_titan_model(titan_cfg, *, fp32_experts: bool = True):
-    """torchtitan's model of ``titan_cfg`` (a deep copy is edited: SDPA attention) on CPU, fp32."""
+def build_titan_model(titan_cfg, *, fp32_experts: bool = True, flex: bool = False):
+    """torchtitan's model of ``titan_cfg`` on CPU, fp32 (a deep copy is edited: SDPA attention,
+    unless ``flex`` keeps the flavor's own, FlexAttention, for packed documents)."""
     import torch  # late: torch and torchtitan
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.common.moe import GroupedExperts
 
     tc = copy.deepcopy(titan_cfg)
     for layer in tc.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if not flex:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        elif not isinstance(layer.attention.inner_attention, FlexAttention.Config):
+            raise UserError(f"--packed --reference torchtitan: the flavor's attention is "
+                            f"{type(layer.attention.inner_attention).__qualname__}, not FlexAttention "
+                            "(varlen has no CPU kernel); use a flex flavor")
     with torch.device("cpu"):
         model = tc.build()
     if fp32_experts:
@@ -82,11 +103,13 @@ class TitanSide:
     """torchtitan's model on the run's weights: forward with routing capture, loss, gradients by
     torchtitan name (see the module doc)."""
 
-    def __init__(self, titan_cfg, tensors: dict[str, np.ndarray], *, fp32_experts: bool = True):
+    def __init__(self, titan_cfg, tensors: dict[str, np.ndarray], *, fp32_experts: bool = True,
+                 flex: bool = False):
         import torch  # late: torch and torchtitan
 
         torch.set_num_threads(1)  # bitwise-reproducible gradients (module doc)
         self.titan_cfg, self.tensors, self.fp32_experts = titan_cfg, tensors, fp32_experts
+        self.flex = flex  # torchtitan's FlexAttention with document masks (packed batches; forward only)
         self.model = self._build()
         self.names = [n for n in tensors if n in dict(self.model.named_parameters())]
         self._attach(self.model)
@@ -96,7 +119,7 @@ class TitanSide:
         import torch  # late: torch and torchtitan
 
         tensors = self.tensors
-        model = build_titan_model(self.titan_cfg, fp32_experts=self.fp32_experts)
+        model = build_titan_model(self.titan_cfg, fp32_experts=self.fp32_experts, flex=self.flex)
         model.train()  # as the training step runs (no dropout in these models)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
@@ -125,15 +148,23 @@ class TitanSide:
         self.routers = [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
         self.loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
 
-    def _run(self, inputs):
-        """-> (logits, [(router logits, (topk_scores, topk_ids, scores))] per MoE layer)."""
+    def _run(self, inputs, positions=None):
+        """-> (logits, [(router logits, (topk_scores, topk_ids, scores))] per MoE layer). With
+        ``positions [B, S]`` (packed documents) they drive torchtitan's RoPE and its flex
+        block-causal mask (``get_attention_masks``), as its trainer passes them."""
         seen_logits, seen = [], []
         hooks = []
         for r in self.routers:
             hooks.append(r.gate.register_forward_hook(lambda mod, inp, out: seen_logits.append(out)))
             hooks.append(r.register_forward_hook(lambda mod, inp, out: seen.append(out)))
         try:
-            logits = self.model(inputs)
+            if positions is None:
+                logits = self.model(inputs)
+            else:
+                if not self.flex:
+                    raise UserError("a packed batch needs torchtitan's flex attention: TitanSide(..., flex=True)")
+                logits = self.model(inputs, positions=positions,
+                                    attention_masks=self.model.get_attention_masks(positions))
         finally:
             for h in hooks:
                 h.remove()
@@ -142,7 +173,7 @@ class TitanSide:
     def objective(self, batch_t: dict):
         """torchtitan's loss: ``CrossEntropyLoss`` (sum) / global valid tokens."""
         labels = batch_t["targets"].masked_fill(batch_t["mask"] <= 0, IGNORE_INDEX)
-        logits, routers = self._run(batch_t["inputs"])
+        logits, routers = self._run(batch_t["inputs"], batch_t.get("positions"))
         n_valid = (labels != IGNORE_INDEX).sum()
         loss, _ = self.loss_fn(logits, labels, n_valid)
         return loss, routers, logits

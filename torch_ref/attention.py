@@ -3,6 +3,10 @@
 Submodule names are HF's (``q_proj``, ``k_norm``, ``kv_a_proj_with_mqa``, ...), so that the
 state_dict of a layer is the HF checkpoint's. Scores and softmax are computed in fp32; the
 weighted sum of values in the compute dtype.
+
+Packed documents (``segment_ids [B, S]``, documents 1, 2, ... per row, 0 = padding): query ``i``
+sees key ``j`` iff ``j <= i`` and both carry the same segment id; padding is one more segment, so
+every query sees at least itself (no all-masked softmax row, no NaN).
 """
 
 from __future__ import annotations
@@ -14,11 +18,24 @@ from jaxmoe.schema import ModelConfig
 from torch_ref.layers import Linear, RMSNorm, apply_rope, yarn_mscale
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q, k [B, S, H, dq]``, ``v [B, S, H, dv]`` -> ``[B, S, H, dv]`` with a causal mask."""
+def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``segment_ids [B, S]`` -> bool ``[B, S, S]``: query ``i`` sees key ``j`` iff ``j <= i`` and
+    both are in the same segment (padding, 0, included: the module doc)."""
+    s = segment_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    return causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``q, k [B, S, H, dq]``, ``v [B, S, H, dv]`` -> ``[B, S, H, dv]`` with a causal mask (and,
+    with ``segment_ids [B, S]``, no attention across documents: the module doc)."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
     s = q.shape[1]
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    if segment_ids is None:
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    else:  # [B, 1, S, S]: broadcast over heads
+        mask = document_mask(segment_ids)[:, None]
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
@@ -40,7 +57,8 @@ class GQAAttention(nn.Module):
             self.q_norm = RMSNorm(hd, m.rms_norm_eps)
             self.k_norm = RMSNorm(hd, m.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         m = self.m
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, m.n_heads, m.head_dim)
@@ -53,7 +71,7 @@ class GQAAttention(nn.Module):
         rep = m.n_heads // m.n_kv_heads
         k = k.repeat_interleave(rep, dim=2)
         v = v.repeat_interleave(rep, dim=2)
-        out = causal_attention(q, k, v, m.head_dim**-0.5)
+        out = causal_attention(q, k, v, m.head_dim**-0.5, segment_ids)
         return self.o_proj(out.reshape(b, s, m.n_heads * m.head_dim))
 
 
@@ -89,7 +107,8 @@ class MLAAttention(nn.Module):
         if m.rope_scaling == "yarn" and m.yarn_mscale_all_dim:
             self.scale *= yarn_mscale(m.yarn_factor, m.yarn_mscale_all_dim) ** 2
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         m = self.m
         b, s, _ = x.shape
         nope, rope, h = m.qk_nope_head_dim, m.qk_rope_head_dim, m.n_heads
@@ -107,7 +126,7 @@ class MLAAttention(nn.Module):
         k_rope = apply_rope(k_rope.view(b, s, 1, rope), cos, sin, m.rope_layout)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, s, h, rope)], dim=-1)
-        out = causal_attention(q, k, v, self.scale)
+        out = causal_attention(q, k, v, self.scale, segment_ids)
         return self.o_proj(out.reshape(b, s, h * m.v_head_dim))
 
 

@@ -113,10 +113,15 @@ def rope_frequencies(m: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def rope_tables(m: ModelConfig, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[S, rope_dim/2]`` (fp32, attention factor included) for positions 0..S-1."""
+def rope_tables(m: ModelConfig, seq_len: int,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[S, rope_dim/2]`` (fp32, attention factor included) for positions 0..S-1, or,
+    given ``positions [B, S]`` (packed documents: each token's position in its document),
+    ``[B, S, rope_dim/2]`` for those positions."""
     inv_freq, factor = rope_frequencies(m)
-    angles = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    if positions is None:
+        positions = torch.arange(seq_len)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos() * factor, angles.sin() * factor
 
 
@@ -125,9 +130,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     ``(x[i], x[i + dim/2])`` in the ``half`` layout (HF Llama/Qwen/Mixtral) and
     ``(x[2i], x[2i+1])`` in the ``interleaved`` layout (DeepSeek). The output keeps the input's
     layout. (HF's DeepSeek code returns interleaved pairs de-interleaved; since q and k are permuted
-    alike, attention scores are identical.)"""
-    c = cos[None, :, None, :].to(x.dtype)
-    s = sin[None, :, None, :].to(x.dtype)
+    alike, attention scores are identical.) ``cos``/``sin``: ``[S, dim/2]`` for every row or
+    ``[B, S, dim/2]`` per token (packed documents)."""
+    lead = (None,) if cos.ndim == 2 else (slice(None),)
+    c = cos[lead + (slice(None), None, slice(None))].to(x.dtype)
+    s = sin[lead + (slice(None), None, slice(None))].to(x.dtype)
     if layout == "half":
         h = x.shape[-1] // 2
         x1, x2 = x[..., :h], x[..., h:]

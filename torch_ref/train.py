@@ -213,7 +213,7 @@ def accumulate_gradients(model: TorchTransformer, batch: dict, cfg: Config) -> t
     sums: dict[str, float] = {}
     counts = None
     for mb in split_micro_batches(batch, n_micro):
-        logits, aux = model(mb["inputs"])
+        logits, aux = model(mb["inputs"], segment_ids=mb.get("segment_ids"), positions=mb.get("positions"))
         terms = loss_terms(cfg, logits, aux, mb, n_valid=n_valid)
         objective = weighted_total(cfg, terms, aux_scale=1.0 / n_micro)
         objective.backward()

@@ -39,9 +39,9 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self.ffn_name)
 
-    def forward(self, x, cos, sin, forced_idx=None):
+    def forward(self, x, cos, sin, forced_idx=None, segment_ids=None):
         """-> (x, attn_out, ffn_out, moe aux or None)."""
-        attn_out = self.self_attn(self.input_layernorm(x), cos, sin)
+        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
         x = x + attn_out
         h = self.post_attention_layernorm(x)
         if self.is_moe:
@@ -101,8 +101,13 @@ class TorchTransformer(nn.Module):
 
     # ---------------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, forced_idx: torch.Tensor | None = None, return_probes: bool = False):
+    def forward(self, tokens: torch.Tensor, forced_idx: torch.Tensor | None = None, return_probes: bool = False,
+                segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """``tokens [B, S]`` -> ``(logits [B, S, V] fp32, aux)``.
+
+        Packed documents: ``segment_ids [B, S]`` (1, 2, ... per row, 0 = padding) keep attention
+        inside each document; ``positions [B, S]`` (position in the document) drive RoPE. None:
+        causal over the whole row, positions 0..S-1.
 
         ``forced_idx [Lm, T, k]`` (T = B*S row-major) replays a routing. aux:
         ``router`` {logits, scores [Lm, T, E], topk_idx, topk_weights [Lm, T, k]},
@@ -115,14 +120,14 @@ class TorchTransformer(nn.Module):
         t = b * s
         x = self.model.embed_tokens(tokens).to(self.compute_dtype)
         embedding = x
-        cos, sin = rope_tables(m, s)
+        cos, sin = rope_tables(m, s, positions)
         attn_outs, moe_outs, ffn_outs, auxes = [], [], [], []
         j = 0
         for layer in self.model.layers:
             forced = None
             if layer.is_moe and forced_idx is not None:
                 forced = forced_idx[j]
-            x, attn_out, ffn_out, aux = layer(x, cos, sin, forced)
+            x, attn_out, ffn_out, aux = layer(x, cos, sin, forced, segment_ids)
             attn_outs.append(attn_out)
             if aux is None:
                 ffn_outs.append(ffn_out)

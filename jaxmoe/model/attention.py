@@ -1,7 +1,7 @@
 """Causal self-attention modules: GQA (optional Qwen3 QK-norm) and MLA (DeepSeek-V3).
 
-Both are NNX modules ``attn(x, cos, sin) -> [B, S, D]`` whose weights are the ``attn/`` sub-tree of
-docs/LAYOUT.md. Scores and softmax are computed in fp32; the value matmul runs in the compute
+Both are NNX modules ``attn(x, cos, sin, segment_ids=None) -> [B, S, D]`` whose weights are the
+``attn/`` sub-tree of docs/LAYOUT.md. Scores and softmax are computed in fp32; the value matmul runs in the compute
 dtype with fp32 accumulation.
 
 The score/softmax/value kernel is a named choice, ``train.attention_kernel`` (:func:`attend`):
@@ -13,6 +13,16 @@ The score/softmax/value kernel is a named choice, ``train.attention_kernel`` (:f
   XLA implementation of ``dot_product_attention`` materialises the same scores too and its
   compiled fwd+bwd moved ~20% more bytes for the same FLOPs (docs/MEASUREMENTS.md, "perf").
 * ``auto`` (default): ``dot_product`` on GPU, ``explicit`` elsewhere.
+
+Document packing (``segment_ids [B, S]`` int, documents numbered 1, 2, ... in a row, 0 = padding):
+token ``i`` attends to token ``j`` iff ``j <= i`` and ``segment_ids[i] == segment_ids[j]``
+(:func:`document_mask`), in both kernels. Padding is treated as one more segment: a padding token
+attends to itself and the padding before it, so its row always has a visible key (the diagonal)
+and no softmax sees only ``-inf`` (no NaN; its loss is masked anyway). ``segment_ids=None`` is
+plain causal attention over the whole row, with the very same graph as before packing existed.
+The ``dot_product`` kernel passes the same-segment test as ``mask [B, 1, S, S]`` next to
+``is_causal``; jax hands it to cuDNN as an additive ``[B, 1, S, S]`` bias in the compute dtype (a
+GPU path not exercised by the CPU test suite).
 
 MLA's value head dim differs from its query/key head dim; ``jax.nn.dot_product_attention`` needs
 equal head dims (jax 0.10-0.12), so the narrower side is zero-padded (zeros in v give zero output
@@ -38,8 +48,17 @@ def _use_cudnn(q, v) -> bool:
     return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
-def _dot_product(q, k, v, scale):
-    """``jax.nn.dot_product_attention`` on ``q [B,S,H,d]``, ``k [B,S,KV,d]``, ``v [B,S,KV,dv]``."""
+def document_mask(segment_ids: jax.Array) -> jax.Array:
+    """``segment_ids [B, S]`` -> bool ``[B, S, S]``: ``mask[b, i, j]`` iff ``j <= i`` and tokens
+    ``i`` and ``j`` of row ``b`` are in the same segment (the module doc; padding is segment 0)."""
+    s = segment_ids.shape[-1]
+    causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+    return causal & (segment_ids[..., :, None] == segment_ids[..., None, :])
+
+
+def _dot_product(q, k, v, scale, segment_ids=None):
+    """``jax.nn.dot_product_attention`` on ``q [B,S,H,d]``, ``k [B,S,KV,d]``, ``v [B,S,KV,dv]``;
+    with ``segment_ids [B, S]`` a same-segment mask ``[B, 1, S, S]`` on top of ``is_causal``."""
     d, dv = q.shape[-1], v.shape[-1]
     if dv < d:  # MLA: pad v's head dim up to q/k's
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, d - dv)])
@@ -47,6 +66,8 @@ def _dot_product(q, k, v, scale):
         pad = [(0, 0)] * 3 + [(0, dv - d)]
         q, k = jnp.pad(q, pad), jnp.pad(k, pad)
     kw = dict(scale=scale, is_causal=True)
+    if segment_ids is not None:
+        kw["mask"] = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     out = None
     if _use_cudnn(q, v):
         try:
@@ -58,18 +79,19 @@ def _dot_product(q, k, v, scale):
     return out[..., :dv].astype(q.dtype)
 
 
-def attend(q, k, v, scale, kernel: str = "auto"):
+def attend(q, k, v, scale, kernel: str = "auto", segment_ids=None):
     """Causal attention: ``q [B,S,H,d]``, ``k [B,S,KV,d]``, ``v [B,S,KV,dv]`` (``H`` a multiple
-    of ``KV``) -> ``[B,S,H,dv]`` in ``q.dtype``, by ``kernel`` (module doc)."""
+    of ``KV``) -> ``[B,S,H,dv]`` in ``q.dtype``, by ``kernel`` (module doc); with
+    ``segment_ids [B, S]`` no token attends across a document boundary (:func:`document_mask`)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown train.attention_kernel {kernel!r}; use one of {', '.join(KERNELS)}")
     if kernel == "auto":
         kernel = "dot_product" if jax.default_backend() == "gpu" else "explicit"
     if kernel == "dot_product":
-        return _dot_product(q, k, v, scale)
+        return _dot_product(q, k, v, scale, segment_ids)
     b, s, h, d = q.shape
     kv = k.shape[2]
-    out = causal_softmax_attend(q.reshape(b, s, kv, h // kv, d), k, v, scale)
+    out = causal_softmax_attend(q.reshape(b, s, kv, h // kv, d), k, v, scale, segment_ids)
     return out.reshape(b, s, h, v.shape[-1])
 
 
@@ -80,23 +102,28 @@ def attend(q, k, v, scale, kernel: str = "auto"):
 _Q_BLOCK = 128
 
 
-def _attend_block(q, k, v, scale, q0):
-    """Queries ``q0 .. q0+Sq-1`` (``q [B,Sq,KV,G,d]``) against keys ``0 .. Sk-1``, causal."""
+def _attend_block(q, k, v, scale, q0, segment_ids=None):
+    """Queries ``q0 .. q0+Sq-1`` (``q [B,Sq,KV,G,d]``) against keys ``0 .. Sk-1``, causal (and
+    within a segment when ``segment_ids [B, S]`` is given)."""
     sq, sk = q.shape[1], k.shape[1]
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * scale
     mask = (q0 + jnp.arange(sq))[:, None] >= jnp.arange(sk)[None, :]
+    if segment_ids is not None:  # [B, Sq, Sk] -> [B, 1, 1, Sq, Sk] against scores [B, KV, G, Sq, Sk]
+        same = segment_ids[:, q0:q0 + sq, None] == segment_ids[:, None, :sk]
+        mask = (mask & same)[:, None, None]
     scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgst,btkd->bskgd", probs, v, preferred_element_type=jnp.float32)
 
 
-def causal_softmax_attend(q, k, v, scale):
-    """q ``[B,S,KV,G,d]``, k ``[B,S,KV,d]``, v ``[B,S,KV,dv]`` -> ``[B,S,KV,G,dv]`` (q.dtype)."""
+def causal_softmax_attend(q, k, v, scale, segment_ids=None):
+    """q ``[B,S,KV,G,d]``, k ``[B,S,KV,d]``, v ``[B,S,KV,dv]`` -> ``[B,S,KV,G,dv]`` (q.dtype);
+    ``segment_ids [B, S]``: attention stays within each segment (the module doc)."""
     s_len = q.shape[1]
     qb = _Q_BLOCK
     if qb <= 0 or s_len <= qb or s_len % qb:
-        return _attend_block(q, k, v, scale, 0).astype(q.dtype)
-    outs = [_attend_block(q[:, i:i + qb], k[:, :i + qb], v[:, :i + qb], scale, i)
+        return _attend_block(q, k, v, scale, 0, segment_ids).astype(q.dtype)
+    outs = [_attend_block(q[:, i:i + qb], k[:, :i + qb], v[:, :i + qb], scale, i, segment_ids)
             for i in range(0, s_len, qb)]
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
@@ -121,7 +148,7 @@ class GQAttention(nnx.Module):
             self.q_norm = RMSNorm.declare(stack + (hd,), ax("norm"), ones(), eps=m.rms_norm_eps)
             self.k_norm = RMSNorm.declare(stack + (hd,), ax("norm"), ones(), eps=m.rms_norm_eps)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids=None) -> jax.Array:
         b, s, _ = x.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).reshape(b, s, h, hd)
@@ -131,7 +158,7 @@ class GQAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin, self.rope_layout)
         k = apply_rope(k, cos, sin, self.rope_layout)
-        out = attend(q, k, v, hd**-0.5, self.kernel)
+        out = attend(q, k, v, hd**-0.5, self.kernel, segment_ids)
         return self.o_proj(out.reshape(b, s, h * hd))
 
 
@@ -172,7 +199,7 @@ class MLAttention(nnx.Module):
                                         normal(std))
         self.o_proj = Linear.declare(stack + (h * self.v_dim, d), ax("heads", "embed"), normal(std))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids=None) -> jax.Array:
         b, s, _ = x.shape
         h, nope, rope, vd = self.n_heads, self.nope, self.rope, self.v_dim
         if self.q_lora_rank > 0:
@@ -190,7 +217,7 @@ class MLAttention(nnx.Module):
         k_rope = apply_rope(k_rope, cos, sin, self.rope_layout)
         q_full = jnp.concatenate([q_nope, q_rope], axis=-1)
         k_full = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, rope))], axis=-1)
-        out = attend(q_full, k_full, v, self.scale, self.kernel)
+        out = attend(q_full, k_full, v, self.scale, self.kernel, segment_ids)
         return self.o_proj(out.reshape(b, s, h * vd))
 
 
@@ -204,4 +231,4 @@ def make_attention(m: ModelConfig, *, stack: tuple = (), kernel: str = "auto", r
 
 
 __all__ = ["ATTENTION", "GQAttention", "KERNELS", "MLAttention", "attend", "causal_softmax_attend",
-           "make_attention"]
+           "document_mask", "make_attention"]

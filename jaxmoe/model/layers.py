@@ -103,17 +103,26 @@ def yarn_softmax_mscale(m: ModelConfig) -> float:
     return ms * ms
 
 
-def rope_tables(m: ModelConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
+def rope_tables(m: ModelConfig, seq_len: int, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables ``[seq_len, rope_dim // 2]`` (fp32) for positions ``0..seq_len-1``,
-    already multiplied by the YaRN attention factor (as HF multiplies its cos/sin)."""
+    already multiplied by the YaRN attention factor (as HF multiplies its cos/sin).
+
+    With ``positions [B, S]`` (int; packed documents: each token's position inside its document)
+    the tables are per token, ``[B, S, rope_dim // 2]``: the same fp32 product ``position * inv``
+    and the same cos/sin, so a document starting at position 0 gets exactly the rotation it gets
+    alone in a row."""
     inv, attention_factor = rope_frequencies(m)
+    if positions is not None:
+        ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)
+        return jnp.cos(ang) * attention_factor, jnp.sin(ang) * attention_factor
     pos = np.arange(seq_len, dtype=np.float32)
     ang = jnp.asarray(pos[:, None] * inv[None, :])
     return jnp.cos(ang) * attention_factor, jnp.sin(ang) * attention_factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, layout: str) -> jax.Array:
-    """Rotate ``x [B, S, H, d]`` by position; ``cos``/``sin`` are ``[S, d/2]``.
+    """Rotate ``x [B, S, H, d]`` by position; ``cos``/``sin`` are ``[S, d/2]`` (one table for
+    every row) or ``[B, S, d/2]`` (per-token positions: packed documents, :func:`rope_tables`).
 
     ``half``: dims ``i`` and ``i + d/2`` form a pair (rotate-half, HF Llama/Qwen/Mixtral).
     ``interleaved``: dims ``2i`` and ``2i+1`` form a pair. HF DeepSeek-V3 with ``rope_interleave``
@@ -122,8 +131,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, layout: str) -> jax
     """
     dtype = x.dtype
     x = x.astype(jnp.float32)
-    c = cos[None, :, None, :]
-    s = sin[None, :, None, :]
+    if cos.ndim == 2:
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
     if layout == "half":
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]

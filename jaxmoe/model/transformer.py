@@ -71,12 +71,12 @@ class DecoderLayer(nnx.Module):
     def ffn(self, h, forced_idx=None):
         raise NotImplementedError
 
-    def __call__(self, x, cos, sin, forced_idx=None):
+    def __call__(self, x, cos, sin, forced_idx=None, segment_ids=None):
         """-> ``(x, attn_out, ffn_out, routing or None)``. The residuals a remat policy may keep
         are named (:data:`OFFLOADED`): the layer input, the attention output, the FFN / MoE
-        block's input and output."""
+        block's input and output. ``segment_ids [B, S]``: packed documents (attention module doc)."""
         x = checkpoint_name(x, "layer_in")
-        a = checkpoint_name(self.attn(self.attn_norm(x), cos, sin), "attn_out")
+        a = checkpoint_name(self.attn(self.attn_norm(x), cos, sin, segment_ids), "attn_out")
         x = x + a
         h = checkpoint_name(self.ffn_norm(x), "ffn_in")
         f, routing = self.ffn(h, forced_idx)
@@ -139,7 +139,7 @@ def _remat(fn: Callable, mode: str) -> Callable:
     raise ValueError(f"unknown train.remat {mode!r}")
 
 
-def _scan_layers(layers: nnx.Module, x, forced_idx, mode, unroll, return_probes, cos, sin):
+def _scan_layers(layers: nnx.Module, x, forced_idx, mode, unroll, return_probes, cos, sin, segment_ids=None):
     """Run a stacked layer module over ``x`` with ``jax.lax.scan`` over its split state,
     ``unroll`` layers per iteration (``train.scan_unroll``; 0 = all of them)."""
     graphdef, state = nnx.split(layers)
@@ -148,7 +148,7 @@ def _scan_layers(layers: nnx.Module, x, forced_idx, mode, unroll, return_probes,
     def body(x, xs):
         layer_state, forced = xs
         layer = nnx.merge(graphdef, layer_state)
-        x, a, f, routing = layer(x, cos, sin, forced)
+        x, a, f, routing = layer(x, cos, sin, forced, segment_ids)
         out = {}
         if routing is not None:
             out["routing"] = routing
@@ -186,21 +186,27 @@ class Transformer(nnx.Module):
                                           normal(m.init_std), group="head")
 
     def __call__(self, tokens: jax.Array, *, forced_idx: jax.Array | None = None,
-                 return_probes: bool = False, return_hidden: bool = False):
+                 return_probes: bool = False, return_hidden: bool = False,
+                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None):
         """``tokens [B, S]`` int32 -> ``(logits [B, S, V] fp32, aux)``; with ``return_hidden`` the
         final-normed hidden states ``[B, S, D]`` in place of the logits (see :meth:`head`).
 
-        ``forced_idx [Lm, B*S, k]`` replays a routing (parity).
+        ``forced_idx [Lm, B*S, k]`` replays a routing (parity). Packed documents:
+        ``segment_ids [B, S]`` (1, 2, ... per row, 0 = padding) keeps attention inside each
+        document (:func:`jaxmoe.model.attention.document_mask`); ``positions [B, S]`` (each
+        token's position in its document) drive RoPE instead of ``0..S-1``. Both default to
+        None: the whole row causal, positions ``0..S-1`` (the same graph as without them).
         """
         cfg = self.cfg
         m, e = cfg.model, cfg.moe
         dtype = DTYPES[cfg.train.dtype]
         b, s = tokens.shape
         t = b * s
-        cos, sin = rope_tables(m, s)
+        cos, sin = rope_tables(m, s, positions)
         x = self.embed(tokens).astype(dtype)
         probes: dict = {"embedding": x} if return_probes else {}
-        kw = dict(mode=cfg.train.remat, unroll=cfg.train.scan_unroll, return_probes=return_probes, cos=cos, sin=sin)
+        kw = dict(mode=cfg.train.remat, unroll=cfg.train.scan_unroll, return_probes=return_probes, cos=cos, sin=sin,
+                  segment_ids=segment_ids)
         attn_outs = []
         if m.first_k_dense > 0:
             x, ys = _scan_layers(self.dense, x, None, **kw)
@@ -304,8 +310,9 @@ class Model:
     (``MeshContext.model()``; None = one device), bound into the module it builds, so the steps
     and the objective pass the model, never a dispatcher.
 
-    ``Model(cfg)(params, buffers, tokens)`` -> ``(logits, aux)`` (:meth:`Transformer.__call__`);
-    with ``return_hidden``: ``(hidden [B, S, D], head [D, V], aux)`` (chunked cross-entropy)."""
+    ``Model(cfg)(params, buffers, tokens)`` -> ``(logits, aux)`` (:meth:`Transformer.__call__`;
+    ``segment_ids`` / ``positions`` of packed documents as there); with ``return_hidden``:
+    ``(hidden [B, S, D], head [D, V], aux)`` (chunked cross-entropy)."""
 
     def __init__(self, cfg: Config, dispatch: Callable | None = None):
         self.cfg = cfg
@@ -318,9 +325,11 @@ class Model:
 
     def __call__(self, params: dict, buffers: dict, tokens: jax.Array, *,
                  forced_idx: jax.Array | None = None, return_probes: bool = False,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None):
         model = self.merge(params, buffers)
-        out = model(tokens, forced_idx=forced_idx, return_probes=return_probes, return_hidden=return_hidden)
+        out = model(tokens, forced_idx=forced_idx, return_probes=return_probes, return_hidden=return_hidden,
+                    segment_ids=segment_ids, positions=positions)
         return (out[0], model.head(), out[1]) if return_hidden else out
 
 
