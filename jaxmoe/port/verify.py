@@ -27,6 +27,9 @@ after each of the first ``N - 1`` layers is compared where the PyTorch side is t
 from __future__ import annotations
 
 import dataclasses
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -46,6 +49,7 @@ from jaxmoe.port.logits import (
     compare_logits,
     torch_ref_model,
 )
+from jaxmoe.port.verify_titan import TITAN, dcp_destination, titan_side, usable
 
 
 def truncated(cfg: Config, n_layers: int | None) -> Config:
@@ -157,26 +161,51 @@ def torch_ref_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None
     return logits.float().numpy(), None
 
 
-def _framework(ep: Endpoint) -> str:
-    """The first of the format's own frameworks that is installed (else its last, whose runner
-    then names what to install)."""
+def _framework(ep: Endpoint, notes: list[str] | None = None) -> str:
+    """The first of the format's own frameworks that runs ``ep`` (installed; for ``titan``, a
+    model torchtitan has: :func:`jaxmoe.port.verify_titan.usable`, else a ``note:`` in ``notes``),
+    else its last, whose runner then names what to install."""
     fws = ep.format.verify_frameworks
-    return next((fw for fw in fws if available(fw)), fws[-1])
+    for fw in fws:
+        if fw == TITAN:
+            ok, why = usable(ep)
+            if ok:
+                return fw
+            if notes is not None:
+                notes.append(f"note: {ep}: no torchtitan model to verify it with ({why}): jaxmoe runs it")
+        elif available(fw):
+            return fw
+    return fws[-1]
 
 
-def sides(src: Endpoint, dst: Endpoint) -> tuple[str, str]:
-    """(source framework, destination framework): one jaxmoe, one PyTorch where a format allows."""
-    if _framework(dst) == "jax":
-        return _framework(src), "jax"
-    return "jax", _framework(dst)
+def sides(src: Endpoint, dst: Endpoint, notes: list[str] | None = None) -> tuple[str, str]:
+    """(source framework, destination framework): one jaxmoe, one PyTorch where a format allows;
+    with torchtitan on either side (``dcp:``), each side in its own format's framework."""
+    s, d = _framework(src, notes), _framework(dst, notes)
+    if TITAN in (s, d) or d == "jax":
+        return s, d
+    return "jax", d
 
 
-RUNNERS = {"jax": jax_side, "hf": hf_side, "torch": torch_ref_side}
+RUNNERS = {"jax": jax_side, "hf": hf_side, "torch": torch_ref_side, TITAN: titan_side}
 
 
 def verify(src: Endpoint, dst: Endpoint, dtype: str, layers: int | None = None) -> dict:
-    """Run both sides on a fixed probe batch; figures + pass/fail against TOLERANCES[dtype]."""
-    src_fw, dst_fw = sides(src, dst)
+    """Run both sides on a fixed probe batch; figures + pass/fail against TOLERANCES[dtype]
+    (``note:`` lines, also printed on stderr, in ``notes``)."""
+    with tempfile.TemporaryDirectory(prefix="jaxmoe-verify-") as scratch:
+        if TITAN in dst.format.verify_frameworks and not dst.options.get("titan"):
+            dst = dcp_destination(dst, _cfg_of(src), Path(scratch))  # a dcp: step holds no config
+        notes: list[str] = []
+        src_fw, dst_fw = sides(src, dst, notes)
+        for note in notes:
+            print(note, file=sys.stderr)
+        figures = _run(src, dst, src_fw, dst_fw, dtype, layers)
+    figures["notes"] = notes
+    return figures
+
+
+def _run(src: Endpoint, dst: Endpoint, src_fw: str, dst_fw: str, dtype: str, layers: int | None) -> dict:
     cfg = _cfg_of(dst)
     rng = np.random.default_rng(PROBE_SEED)
     tokens = rng.integers(0, cfg.model.vocab_size, PROBE_SHAPE).astype(np.int32)
@@ -201,4 +230,4 @@ def verify(src: Endpoint, dst: Endpoint, dtype: str, layers: int | None = None) 
     return figures
 
 
-__all__ = ["jax_side", "hf_side", "sides", "torch_ref_side", "truncated", "verify"]
+__all__ = ["hf_side", "jax_side", "sides", "titan_side", "torch_ref_side", "truncated", "verify"]
