@@ -77,15 +77,19 @@ def _swap_experts(arr):
 
 @needs_titan
 def test_orbax_to_dcp_and_back_run_torchtitan(titan_run, tmp_path, capsys):
-    rc, v, _ = _verify(capsys, f"orbax:{titan_run}", f"dcp:{tmp_path}/step-1")
+    rc, v, _ = _verify(capsys, f"orbax:{titan_run}", f"dcp:{tmp_path}/step-1", "--verify-layers", "2")
     assert (v["src_framework"], v["dst_framework"]) == ("jax", "titan") and v["notes"] == []
     assert rc == 0 and v["ok"] and v["max_abs"] <= 1e-4 and v["kl"] <= 1e-6, v
-    assert len(v["hidden_rel_max_abs"]) == 5  # 6 layers: layers 0..4 compared, 5 by the logits
+    assert len(v["hidden_rel_max_abs"]) == 1  # layer 0 compared; layer 1 by the logits
     # dcp: as the source: torchtitan on the step, jaxmoe on the run dir written from it
     rc, v, _ = _verify(capsys, f"dcp:{tmp_path}/step-1", f"orbax:{tmp_path}/back", "--titan", FLAVOR,
                        "--verify-layers", "2")
     assert (v["src_framework"], v["dst_framework"], v["layers"]) == ("titan", "jax", 2)
     assert rc == 0 and v["ok"] and len(v["hidden_rel_max_abs"]) == 1, v
+    # dcp: -> dcp: torchtitan on both steps (neither read through jaxmoe's mapping)
+    rc, v, _ = _verify(capsys, f"dcp:{tmp_path}/step-1", f"dcp:{tmp_path}/step-2", "--titan", FLAVOR,
+                       "--verify-layers", "2")
+    assert (v["src_framework"], v["dst_framework"]) == ("titan", "titan") and rc == 0 and v["ok"], v
 
 
 @needs_titan
@@ -116,3 +120,30 @@ def test_a_jaxmoe_preset_has_no_torchtitan_model_and_falls_back(tmp_path, capsys
     rc, v, err = _verify(capsys, f"dcp:{tmp_path}/step", f"orbax:{tmp_path}/back", "--titan", "tiny")
     assert rc == 0 and v["ok"] and (v["src_framework"], v["dst_framework"]) == ("jax", "jax"), v
     assert len(v["notes"]) == 1 and "--titan FAMILY/FLAVOR" in v["notes"][0]
+
+
+@needs_titan
+def test_a_config_changed_from_its_flavor_has_no_torchtitan_model():
+    """``titan:FAMILY/FLAVOR`` names the flavor only while its forward fields are the flavor's."""
+    import dataclasses
+
+    from jaxmoe.config_cli import named_config
+    from jaxmoe.port.verify_titan import titan_flavor
+
+    cfg = named_config(FLAVOR)
+    assert titan_flavor(cfg) == (FLAVOR, "")
+    train_only = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, lb_coef=0.01, capacity_factor=1.25))
+    assert titan_flavor(train_only) == (FLAVOR, "")
+    sig = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, score_func="sigmoid"),
+                              model=dataclasses.replace(cfg.model, mla_norm_eps=1e-6))
+    spec, why = titan_flavor(sig)
+    assert spec is None and why.endswith("in model.mla_norm_eps, moe.score_func"), why
+
+
+@needs_titan
+@pytest.mark.slow  # the whole 6-layer model on both sides: ~15 s more here
+def test_whole_model_orbax_to_dcp_runs_torchtitan(titan_run, tmp_path, capsys):
+    rc, v, _ = _verify(capsys, f"orbax:{titan_run}", f"dcp:{tmp_path}/step-1")
+    assert (v["src_framework"], v["dst_framework"], v["layers"]) == ("jax", "titan", None)
+    assert rc == 0 and v["ok"] and v["max_abs"] <= 1e-4 and v["kl"] <= 1e-6, v
+    assert len(v["hidden_rel_max_abs"]) == 5  # 6 layers: layers 0..4 compared, 5 by the logits

@@ -6,8 +6,15 @@ jaxmoe's own readers, and the other side runs in PyTorch reading the HF / torch_
 own loader: HF transformers for ``hf:`` (``from_pretrained``, which knows nothing of jaxmoe's
 mapping), torch_ref for ``torch:`` files (``torch_ref.hf_io``: state-dict names, no
 :mod:`jaxmoe.port.hf_map`). Each format names the frameworks that read it with their own loader
-(``Format.verify_frameworks``: ``jax`` for jaxmoe's own ``orbax:``), and :func:`sides` picks:
+(``Format.verify_frameworks``: ``jax`` for jaxmoe's own ``orbax:``, ``titan`` -- torchtitan's own
+model of the flavor, :mod:`jaxmoe.port.verify_titan` -- for ``dcp:``), and :func:`sides` picks:
 
+* a ``dcp:`` endpoint: each side in its own format's framework -- torchtitan on the DCP step,
+  jaxmoe on a run dir, transformers / torch_ref on HF / torch files (``dcp: -> dcp:`` runs
+  torchtitan on both), so the DCP side is never read through :mod:`jaxmoe.port.titan_map`. A
+  ``dcp:`` destination holds no config: it is run as the source's model (its torchtitan flavor,
+  :func:`jaxmoe.port.verify_titan.dcp_destination`). Where torchtitan has no model of the config
+  (a jaxmoe preset / ``.toml`` as ``--titan``), that side runs in jaxmoe and a ``note:`` says so;
 * destination read by jaxmoe itself (``orbax``): the source in its own framework (PyTorch for
   ``hf|torch``, jaxmoe for ``orbax``), jaxmoe on the written run dir;
 * otherwise (``-> hf|torch``): jaxmoe on the source (through the mapping), PyTorch on the
@@ -19,9 +26,10 @@ logits and fails the check (``tests/test_convert_verify.py`` injects such errors
 ``--verify-layers N`` runs both sides as a model truncated to its first ``N`` layers (same
 embedding, final norm and head): only those layers' tensors are read (slices of the Orbax leaves,
 see :mod:`jaxmoe.port.orbax_read`; only those tensors of the HF files), so a checkpoint far larger
-than memory is verified on one machine. Besides the truncated model's logits, the hidden state
-after each of the first ``N - 1`` layers is compared where the PyTorch side is transformers
-(``output_hidden_states``; the last layer's output is checked through the logits).
+than memory is verified on one machine (torchtitan builds the flavor with its first ``N`` layers).
+Besides the truncated model's logits, the hidden state after each of the first ``N - 1`` layers is
+compared where both sides give it -- jaxmoe, transformers (``output_hidden_states``) and torchtitan
+(hooks on its layers); the last layer's output is checked through the logits.
 """
 
 from __future__ import annotations
