@@ -115,11 +115,11 @@ def test_a_jaxmoe_preset_has_no_torchtitan_model_and_falls_back(tmp_path, capsys
     _make_run(tmp_path / "run", "tiny", std=0.16)
     rc, v, err = _verify(capsys, f"orbax:{tmp_path}/run", f"dcp:{tmp_path}/step")
     assert rc == 0 and v["ok"] and (v["src_framework"], v["dst_framework"]) == ("jax", "jax"), v
-    notes = [x for x in err.splitlines() if "no torchtitan model" in x]
+    notes = [x for x in err.splitlines() if "torchtitan has no model" in x]
     assert len(notes) == 1 and notes == v["notes"] and "'tiny' is a jaxmoe config" in notes[0], err
     rc, v, err = _verify(capsys, f"dcp:{tmp_path}/step", f"orbax:{tmp_path}/back", "--titan", "tiny")
     assert rc == 0 and v["ok"] and (v["src_framework"], v["dst_framework"]) == ("jax", "jax"), v
-    assert len(v["notes"]) == 1 and "--titan FAMILY/FLAVOR" in v["notes"][0]
+    assert len(v["notes"]) == 1 and "not a torchtitan FAMILY/FLAVOR" in v["notes"][0], v["notes"]
 
 
 @needs_titan

@@ -180,7 +180,8 @@ def _framework(ep: Endpoint, notes: list[str] | None = None) -> str:
             if ok:
                 return fw
             if notes is not None:
-                notes.append(f"note: {ep}: no torchtitan model to verify it with ({why}): jaxmoe runs it")
+                notes.append(f"note: {ep}: torchtitan has no model of it ({why}): --verify runs jaxmoe "
+                             "on this side")
         elif available(fw):
             return fw
     return fws[-1]

@@ -28,6 +28,7 @@ holds no config either: it is verified as the model of the conversion's source
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +50,7 @@ def titan_flavor(cfg: Config) -> tuple[str | None, str]:
     ``(None, why not)``."""
     name = cfg.model.name
     if not name.startswith(PREFIX):
-        return None, (f"model {name!r} is a jaxmoe config, not a torchtitan flavor (give --titan "
-                      "FAMILY/FLAVOR for torchtitan's own check)")
+        return None, f"model {name!r} is a jaxmoe config, not a torchtitan FAMILY/FLAVOR"
     spec = name[len(PREFIX):]
     from jaxmoe.config_cli import titan_config  # late: torchtitan
 
@@ -134,7 +134,9 @@ def titan_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None):
     seen: list = []
     hooks = [layer.register_forward_hook(lambda mod, inp, out: seen.append(out)) for layer in layers[:-1]]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # torchtitan's router asks for an fp32 CPU autocast, which torch declines (harmless)
+            warnings.filterwarnings("ignore", message="In CPU autocast", category=UserWarning)
             logits = model(torch.from_numpy(np.asarray(tokens, np.int64)))
     finally:
         for h in hooks:
