@@ -128,9 +128,12 @@ def test_model_only_checkpoint_reads_bit_exact_and_converts_to_orbax(one_rank, t
         assert not any("training state" in n for n in src.notices)
         rows = src.read_rows("params/moe/experts/gate_proj", 2)
         assert np.array_equal(rows, src.read_leaf("params/moe/experts/gate_proj")[:2])
-    rc = main(["convert", "--from", f"dcp:{step}", "--titan", FLAVOR, "--to", f"orbax:{tmp_path}/run", "--json"])
+    rc = main(["convert", "--from", f"dcp:{step}", "--titan", FLAVOR, "--to", f"orbax:{tmp_path}/run", "--json",
+               "--verify", "--verify-layers", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    v = json.loads(out)["verify"]  # torchtitan's own model on its own files vs jaxmoe on the run dir
+    assert (v["src_framework"], v["dst_framework"]) == ("titan", "jax") and v["ok"], v
     with _open(f"orbax:{tmp_path}/run", None) as back:
         _assert_leaves(back, one_rank)
 

@@ -6,8 +6,15 @@ jaxmoe's own readers, and the other side runs in PyTorch reading the HF / torch_
 own loader: HF transformers for ``hf:`` (``from_pretrained``, which knows nothing of jaxmoe's
 mapping), torch_ref for ``torch:`` files (``torch_ref.hf_io``: state-dict names, no
 :mod:`jaxmoe.port.hf_map`). Each format names the frameworks that read it with their own loader
-(``Format.verify_frameworks``: ``jax`` for jaxmoe's own ``orbax:``), and :func:`sides` picks:
+(``Format.verify_frameworks``: ``jax`` for jaxmoe's own ``orbax:``, ``titan`` -- torchtitan's own
+model of the flavor, :mod:`jaxmoe.port.verify_titan` -- for ``dcp:``), and :func:`sides` picks:
 
+* a ``dcp:`` endpoint: each side in its own format's framework -- torchtitan on the DCP step,
+  jaxmoe on a run dir, transformers / torch_ref on HF / torch files (``dcp: -> dcp:`` runs
+  torchtitan on both), so the DCP side is never read through :mod:`jaxmoe.port.titan_map`. A
+  ``dcp:`` destination holds no config: it is run as the source's model (its torchtitan flavor,
+  :func:`jaxmoe.port.verify_titan.dcp_destination`). Where torchtitan has no model of the config
+  (a jaxmoe preset / ``.toml`` as ``--titan``), that side runs in jaxmoe and a ``note:`` says so;
 * destination read by jaxmoe itself (``orbax``): the source in its own framework (PyTorch for
   ``hf|torch``, jaxmoe for ``orbax``), jaxmoe on the written run dir;
 * otherwise (``-> hf|torch``): jaxmoe on the source (through the mapping), PyTorch on the
@@ -19,14 +26,18 @@ logits and fails the check (``tests/test_convert_verify.py`` injects such errors
 ``--verify-layers N`` runs both sides as a model truncated to its first ``N`` layers (same
 embedding, final norm and head): only those layers' tensors are read (slices of the Orbax leaves,
 see :mod:`jaxmoe.port.orbax_read`; only those tensors of the HF files), so a checkpoint far larger
-than memory is verified on one machine. Besides the truncated model's logits, the hidden state
-after each of the first ``N - 1`` layers is compared where the PyTorch side is transformers
-(``output_hidden_states``; the last layer's output is checked through the logits).
+than memory is verified on one machine (torchtitan builds the flavor with its first ``N`` layers).
+Besides the truncated model's logits, the hidden state after each of the first ``N - 1`` layers is
+compared where both sides give it -- jaxmoe, transformers (``output_hidden_states``) and torchtitan
+(hooks on its layers); the last layer's output is checked through the logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -46,6 +57,7 @@ from jaxmoe.port.logits import (
     compare_logits,
     torch_ref_model,
 )
+from jaxmoe.port.verify_titan import TITAN, dcp_destination, titan_side, usable
 
 
 def truncated(cfg: Config, n_layers: int | None) -> Config:
@@ -157,26 +169,52 @@ def torch_ref_side(ep: Endpoint, tokens: np.ndarray, n_layers: int | None = None
     return logits.float().numpy(), None
 
 
-def _framework(ep: Endpoint) -> str:
-    """The first of the format's own frameworks that is installed (else its last, whose runner
-    then names what to install)."""
+def _framework(ep: Endpoint, notes: list[str] | None = None) -> str:
+    """The first of the format's own frameworks that runs ``ep`` (installed; for ``titan``, a
+    model torchtitan has: :func:`jaxmoe.port.verify_titan.usable`, else a ``note:`` in ``notes``),
+    else its last, whose runner then names what to install."""
     fws = ep.format.verify_frameworks
-    return next((fw for fw in fws if available(fw)), fws[-1])
+    for fw in fws:
+        if fw == TITAN:
+            ok, why = usable(ep)
+            if ok:
+                return fw
+            if notes is not None:
+                notes.append(f"note: {ep}: torchtitan has no model of it ({why}): --verify runs jaxmoe "
+                             "on this side")
+        elif available(fw):
+            return fw
+    return fws[-1]
 
 
-def sides(src: Endpoint, dst: Endpoint) -> tuple[str, str]:
-    """(source framework, destination framework): one jaxmoe, one PyTorch where a format allows."""
-    if _framework(dst) == "jax":
-        return _framework(src), "jax"
-    return "jax", _framework(dst)
+def sides(src: Endpoint, dst: Endpoint, notes: list[str] | None = None) -> tuple[str, str]:
+    """(source framework, destination framework): one jaxmoe, one PyTorch where a format allows;
+    with torchtitan on either side (``dcp:``), each side in its own format's framework."""
+    s, d = _framework(src, notes), _framework(dst, notes)
+    if TITAN in (s, d) or d == "jax":
+        return s, d
+    return "jax", d
 
 
-RUNNERS = {"jax": jax_side, "hf": hf_side, "torch": torch_ref_side}
+RUNNERS = {"jax": jax_side, "hf": hf_side, "torch": torch_ref_side, TITAN: titan_side}
 
 
 def verify(src: Endpoint, dst: Endpoint, dtype: str, layers: int | None = None) -> dict:
-    """Run both sides on a fixed probe batch; figures + pass/fail against TOLERANCES[dtype]."""
-    src_fw, dst_fw = sides(src, dst)
+    """Run both sides on a fixed probe batch; figures + pass/fail against TOLERANCES[dtype]
+    (``note:`` lines, also printed on stderr, in ``notes``)."""
+    with tempfile.TemporaryDirectory(prefix="jaxmoe-verify-") as scratch:
+        if TITAN in dst.format.verify_frameworks and not dst.options.get("titan"):
+            dst = dcp_destination(dst, _cfg_of(src), Path(scratch))  # a dcp: step holds no config
+        notes: list[str] = []
+        src_fw, dst_fw = sides(src, dst, notes)
+        for note in notes:
+            print(note, file=sys.stderr)
+        figures = _run(src, dst, src_fw, dst_fw, dtype, layers)
+    figures["notes"] = notes
+    return figures
+
+
+def _run(src: Endpoint, dst: Endpoint, src_fw: str, dst_fw: str, dtype: str, layers: int | None) -> dict:
     cfg = _cfg_of(dst)
     rng = np.random.default_rng(PROBE_SEED)
     tokens = rng.integers(0, cfg.model.vocab_size, PROBE_SHAPE).astype(np.int32)
@@ -201,4 +239,4 @@ def verify(src: Endpoint, dst: Endpoint, dtype: str, layers: int | None = None) 
     return figures
 
 
-__all__ = ["jax_side", "hf_side", "sides", "torch_ref_side", "truncated", "verify"]
+__all__ = ["hf_side", "jax_side", "sides", "titan_side", "torch_ref_side", "truncated", "verify"]

@@ -346,6 +346,9 @@ class DcpFormat(Format):
             "files, full or model-only; the model config from --titan)")
     options = (TITAN_OPTION, WITH_OPTIMIZER)
     hf_arch_only = False  # torchtitan's own layout: any model titan_map maps
+    # --verify runs torchtitan's own model of the --titan flavor (jaxmoe.port.verify_titan);
+    # jaxmoe where torchtitan has no model of the config (a jaxmoe preset / .toml)
+    verify_frameworks = ("titan", "jax")
     output_what = "a DCP step directory (.metadata)"
 
     @classmethod
