@@ -299,7 +299,7 @@ class JaxSide:
             jb = self.batch(b)
             # the step's routing, for the near-tie classification of a training flip: the same
             # forward on the same state (its counts are checked against the step's own below)
-            _, aux = self._fwd(state["params"], state["buffers"], jb["inputs"], None)
+            _, aux = self._fwd(state["params"], state["buffers"], jb["inputs"], None, packing_kwargs(jb))
             bias = state["buffers"].get("moe", {}).get("expert_bias") if state["buffers"] else None
             r = aux["router"]
             rec = routing_record(cfg.moe, to_numpy(r["topk_idx"]), to_numpy(r["scores"]),
