@@ -38,6 +38,7 @@ from jaxmoe.hlo_stats import count_collectives as hlo_collectives
 from jaxmoe.hlo_stats import optimizer_update_collectives as update_collectives
 from jaxmoe.hlo_stats import total
 from jaxmoe.model.transformer import Model, abstract_params, declared_groups
+from jaxmoe.objective import PACKING_KEYS
 from jaxmoe.optim import build_optimizer
 from jaxmoe.sharding import AXES, declared_axes_flat, expert_axes_of, logical_to_mesh_axes, matched_specs, param_specs
 from jaxmoe.step import init_state, make_train_step
@@ -75,6 +76,8 @@ def abstract_inputs(cfg: Config, mesh):
     batch = {"inputs": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs),
              "targets": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs),
              "mask": jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=bs)}
+    if cfg.train.packing == "documents":  # the data then carries the document keys (jaxmoe.data.packing)
+        batch.update({k: jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs) for k in PACKING_KEYS})
     return tx, state, batch
 
 

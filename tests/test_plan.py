@@ -165,3 +165,20 @@ def test_europa_lowered_show():
     old = make_plan(plan_config(load_config("europa-952b"), parse_mesh("replica=4,expert=384"), optimizer="muon"),
                     device_memory_gb=96, host_memory_gb=120, lower=True)
     assert old["lowered"] and not old["fits"] and old["replicated_dense_fraction"] > 0.5
+
+
+def test_planned_batch_carries_the_document_keys_when_packing_documents():
+    """train.packing=documents: the planner's abstract batch has segment_ids/positions (int32,
+    sharded like inputs), so the planned graph holds the document mask the real run computes."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from jaxmoe.plan_lower import abstract_inputs
+    from jaxmoe.sharding import AXES
+
+    mesh = AbstractMesh((1,) * len(AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    for packing, extra in (("windows", set()), ("documents", {"segment_ids", "positions"})):
+        cfg = load_config("tiny", overrides=[f"train.packing={packing}"])
+        _, _, batch = abstract_inputs(cfg, mesh)
+        assert set(batch) == {"inputs", "targets", "mask"} | extra
+        for k in extra:
+            assert batch[k].dtype == "int32" and batch[k].sharding == batch["inputs"].sharding
