@@ -219,7 +219,20 @@ class DataIterator:
                 **self._fingerprint()}
 
     def restore(self, state: dict) -> None:
-        """Continue exactly where ``state`` was taken; refuses a state of different data."""
+        """Continue exactly where ``state`` was taken; refuses a state of different data.
+
+        ``{"seek_batch": b}``: a position known only as a batch count (a run continued from
+        another framework's checkpoint, :mod:`jaxmoe.port.titan_resume`): served from batch ``b``
+        on, which only a portable pipeline (one flat stream in windows packing) can do."""
+        if "seek_batch" in state:
+            if not self.portable:
+                raise UserError(f"data {self.name}: this run continues at batch {state['seek_batch']} of another "
+                                "framework's run, a position that only one tokens:/default source in "
+                                "train.packing=windows can take; use such a source for the resumed run")
+            self.close()
+            self.batch_index = self._start = int(state["seek_batch"])
+            self.tokens = {p.spec: 0 for p in self.parts}
+            return
         if "processes" in state:  # a multi-process checkpoint: one state per process
             procs = state["processes"]
             if self.portable:

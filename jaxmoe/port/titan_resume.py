@@ -19,6 +19,8 @@ have the same moments, bias correction and decoupled decay): ``exp_avg`` / ``exp
 ``count`` (also the schedule's), ``last_epoch`` is the update index of the next learning rate
 (``lr_schedule(count)``), ``train_state.step`` is jaxmoe's step. The data position is the step:
 both frameworks fed jaxmoe's batches, one per step, so jaxmoe continues at batch ``step``
+(``{"seek_batch": step}``: a single ``tokens:``/``default`` source in windows packing, whose batch
+is a function of its index; :meth:`jaxmoe.data.pipeline.DataIterator.restore` refuses others)
 (``ntokens_seen`` is ``step * batch_size * seq_len`` then; anything else is noted).
 
 Reading runs no code from the checkpoint (:meth:`jaxmoe.port.dcp_io.DcpDir.read_object`).
@@ -259,7 +261,7 @@ class TitanResume:
                             "train.optimizer=adamw")
         state = {"params": params, "buffers": buffers, **rest, "opt_state": opt_state,
                  "step": put(self.ts.step, rest["step"])}
-        return state, self.ts.step, {"batch_index": self.ts.step}
+        return state, self.ts.step, {"seek_batch": self.ts.step}  # DataIterator.restore
 
 
 def open_resume(spec: str, titan: str | None) -> TitanResume:
