@@ -43,8 +43,13 @@ def titan_config(shape: dict, attn: str):
     from torch import nn
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.config_utils import (get_attention_config, make_gqa_config, make_moe_config,
-                                                       make_routed_experts_config, make_router_config)
+    from torchtitan.models.common.config_utils import (
+        get_attention_config,
+        make_gqa_config,
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
     from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 
     d, hd = int(shape["model.d_model"]), int(shape["model.head_dim"])
@@ -129,6 +134,31 @@ def run(shape: dict, steps: int, compile_blocks: bool, attn: str, device: str) -
             "loss_last": float(loss), "peak_device_bytes":
                 int(torch.cuda.max_memory_allocated()) if dev.type == "cuda" else None,
             "n_params": sum(p.numel() for p in model.parameters())}
+
+
+def attach_ratios(results: list[dict]) -> list[str]:
+    """Per jaxmoe throughput variant: ``torchtitan_tokens_per_s`` (the fastest torchtitan variant
+    of its shape), ``ratio_to_torchtitan``; returns one ``jaxmoe / torchtitan`` line per shape."""
+    best_t, best_j = {}, {}
+    for r in results:
+        shape = r["name"].split("/")[0]
+        tps = r.get("tokens_per_s")
+        if not tps:
+            continue
+        table = best_t if r.get("kind") == "torchtitan" else best_j if r.get("kind") == "throughput" else None
+        if table is not None and tps > table.get(shape, (0, ""))[0]:
+            table[shape] = (tps, r["name"])
+    for r in results:
+        if r.get("kind") == "throughput" and r.get("tokens_per_s"):
+            t = best_t.get(r["name"].split("/")[0])
+            r["torchtitan_tokens_per_s"] = t[0] if t else None
+            r["ratio_to_torchtitan"] = r["tokens_per_s"] / t[0] if t else None
+    lines = []
+    for shape, (tps, name) in best_j.items():
+        t = best_t.get(shape)
+        lines.append(f"{shape}: jaxmoe / torchtitan = " + (f"{tps / t[0]:.2f} ({name} {tps:.0f} tok/s, {t[1]} "
+                                                            f"{t[0]:.0f} tok/s)" if t else "n/a (no torchtitan run)"))
+    return lines
 
 
 def main(argv=None) -> int:
