@@ -1,6 +1,8 @@
-"""The GPU benchmark behind ``bench/gpu.sh`` (one lent H200, <= 8 minutes): throughput and memory.
+"""The GPU benchmark behind ``bench/gpu.sh`` (one lent GPU, <= 8 minutes): throughput and memory.
 
     bench/gpu.sh [--dry-run] [--json PATH] [--budget-s 450] [--xla-profile gpu_overlap|none]
+    python bench/gpu.py [--dry-run] --profile VARIANT [--profile-dir DIR]  # trace + top 15 kernels
+    python bench/gpu.py [--dry-run] --memory-only     # does each shape fit (bench/gpu_fit.py), CPU
 
 Throughput (tokens/s, MFU against a measured bf16 matmul peak, peak device memory), bf16 compute,
 flash attention (``train.attention_kernel=dot_product``: cuDNN on GPU), the ``gpu_overlap`` XLA
@@ -10,7 +12,14 @@ QK-norm, Qwen3-MoE-style) -- each with the ``ragged`` path on jax's Hopper group
 (``*/ragged_mgpu``: ``moe.ragged_kernel=mosaic_gpu``, which also reports ``kernel_check``, the
 relative L2 error of its output and gradients against ``jax.lax.ragged_dot`` on the device), the
 ``blocked`` path, and last the ``ragged`` path on ``jax.lax.ragged_dot`` (``*/ragged``: lowered
-densely on GPU, a reference).
+densely on GPU, a reference). Each throughput variant also runs 2 steps under ``jax.profiler``:
+``top_kernels`` and ``time_shares`` (matmul / collective / attention / other; bench/gpu_profile.py).
+
+The peer (issue 27): torchtitan's Qwen3-style MoE at the same shapes (``*/torchtitan``, and
+``*/torchtitan_compile`` with ``torch.compile``), each in its own process (bench/titan_worker.py;
+jaxmoe never imports torchtitan); every jaxmoe throughput variant gets ``torchtitan_tokens_per_s``
+(the faster torchtitan variant of its shape) and ``ratio_to_torchtitan``, and one ``jaxmoe /
+torchtitan`` line per shape is printed. The dry run runs it on CPU (SDPA attention, no compile).
 
 Memory (issue 13): peak device memory of a europa-shaped slice (full width d_model 7168, MLA with
 64 heads, vocab 163840, 1 dense + 2 MoE layers, 384 experts of width 1536 cut to 16, 4096 tokens)
@@ -124,17 +133,10 @@ def variants(dry: bool) -> list[dict]:
 # -- one variant -------------------------------------------------------------------------------
 
 
-def matmul_peak(n: int, dtype: str = "bfloat16", reps: int = 10) -> float:
-    from jaxmoe.step import measure_matmul_peak
-
-    return measure_matmul_peak(n, dtype, reps)
-
-
 def _peak_bytes() -> int | None:
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
 def kernel_check(cfg, rows: int = 4096) -> dict:
@@ -324,7 +326,9 @@ def _header(dry: bool, xla_profile: str) -> dict:
     """Backend, device, jax version and the measured bf16 matmul peak (FLOP/s) of this process."""
     import jax
 
-    peak = matmul_peak(256 if dry else 8192, "bfloat16", reps=3 if dry else 10)
+    from jaxmoe.step import measure_matmul_peak
+
+    peak = measure_matmul_peak(256 if dry else 8192, "bfloat16", 3 if dry else 10)
     return {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "dry_run": dry, "xla_profile": xla_profile, "bf16_matmul_peak_tflops": peak / 1e12,
             "jax": jax.__version__}

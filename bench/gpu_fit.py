@@ -18,7 +18,7 @@ import time
 
 import gpu_profile
 
-FIT_BYTES = 48e9  # 60% of an H100's 80 GB, the smaller of the two lent kinds
+FIT_BYTES = 48 * 2**30  # 60% of an H100's 80 GB (80 GiB), the smaller of the two lent kinds
 
 
 def _gib(x) -> str:
@@ -71,9 +71,9 @@ def memory_fit(v: dict) -> dict:
     t = time.perf_counter()
     with as_on_a_gpu():  # one device, as the bench runs it (cuDNN's primitive cannot lower on an abstract mesh)
         text = make_train_step(Model(cfg), tx).trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
-    # attention scores: trailing [S, S] dims and at least B x KV x S x S elements (so that e.g. a
-    # [L, D, D] weight stack or [1, B, S, D] activations are not taken for one where D == S)
-    floor = b * cfg.model.n_kv_heads * s * s
+    # attention scores: trailing [S, S] dims and at least B x H x S x S elements, every head's (so
+    # that e.g. a [L, D, D] weight stack or [1, B, S, D] activations are not taken for one where D == S)
+    floor = b * cfg.model.n_heads * s * s
     scores = sorted({m.group(0) for m in re.finditer(rf"tensor<((?:\d+x)*){s}x{s}x\w+>", text)
                      if math.prod(int(x) for x in m.group(1).split("x") if x) * s * s >= floor})
     rec["cuda_stablehlo"] = {"cudnn_attention_calls": len(re.findall(r"custom_call @__cudnn\$fmha", text)),
@@ -98,7 +98,7 @@ def memory_line(r: dict) -> str:
         return f"{r['name']:36s} ERROR: {r.get('error')}"
     m, c = r["memory_analysis_bytes"], r["cuda_stablehlo"]
     out = [f"{r['name']:36s} peak {_gib(r['peak_bytes'])} ({r['peak_bytes'] / 1e9:.1f} GB; args {_gib(m['argument'])}, "
-           f"temp {_gib(m['temp'])}) {'fits' if r['fits_48GB'] else 'DOES NOT fit'} in 48 GB [XLA:CPU proxy]; "
+           f"temp {_gib(m['temp'])}) {'fits' if r['fits_48GB'] else 'DOES NOT fit'} in 48 GiB [XLA:CPU proxy]; "
            f"CUDA lowering: {c['cudnn_attention_calls']} cuDNN attention calls, "
            f"{len(c['score_tensors'])} [..,S,S] tensor types, {c['chlo_ragged_dot']} ragged_dot"]
     for a in r["top_allocations"]:

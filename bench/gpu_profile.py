@@ -5,8 +5,9 @@ compiled step from XLA's buffer-assignment report (``--memory-only``).
 
 Kernels: on a GPU, the events of the device planes' ``Stream`` lines (one per kernel launch:
 cuBLAS/cuDNN/Triton/XLA fusion kernel names); on CPU, where a trace has no device plane, the
-thunks XLA:CPU runs on its client threads (``fusion.12``, ``ynn_fusion``, ``dot.3``, ...; summed
-over threads, so shares of thread time, not of wall time). Categories are by name
+thunks XLA:CPU runs on its client and Eigen threads (``fusion.12``, ``ynn_fusion``, ``dot.3``, ...;
+summed over threads, so shares of thread time, not of wall time; the control-flow thunks
+``while``/``cond``/``call``, which hold the others, left out so nothing counts twice). Categories are by name
 (:func:`category`): XLA:CPU's ``ynn_*`` thunks are XNNPACK fusions, which XLA:CPU uses for dots,
 so they count as matmuls.
 """
@@ -25,6 +26,7 @@ _ATTENTION = re.compile(r"fmha|flash|sdpa|attention|cudnn", re.I)
 _MATMUL = re.compile(r"gemm|xmma|cutlass|nvjet|wgmma|cublas|matmul|\bdot\b|dot[._-]|^dot|ynn|mosaic|"
                      r"ragged_dot|convolution", re.I)
 _SKIP = re.compile(r"^(end: |ThreadpoolListener|ThunkExecutor|Thunk::|\$)")
+_CONTROL = re.compile(r"^(while|cond|conditional|call)(\.\d+)?$")  # XLA:CPU thunks that hold others
 
 
 def category(name: str) -> str:
@@ -59,14 +61,13 @@ def kernel_times(xplane_path: str) -> tuple[str, dict]:
             if on_device and line.name.startswith("Stream"):
                 for e in line.events:
                     dev[e.name] += e.duration_ns
-            elif not on_device and plane.name.startswith("/host:") and "XLA" in line.name \
-                    and "Eigen" not in line.name:
-                for e in line.events:
-                    if not _SKIP.match(e.name):
+            elif not on_device and plane.name.startswith("/host:") and line.name.startswith("tf_XLA"):
+                for e in line.events:  # XLA:CPU's client and Eigen threads run the thunks
+                    if not (_SKIP.match(e.name) or _CONTROL.match(e.name)):
                         host[e.name] += e.duration_ns
     if dev:
         return "device kernels (Stream lines of the device planes)", dict(dev)
-    return "host: XLA:CPU thunks on its client threads (no device plane in this trace)", dict(host)
+    return "host: XLA:CPU thunks on its threads (no device plane in this trace)", dict(host)
 
 
 def summarize(source: str, times: dict, top: int = 15) -> dict:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -102,10 +104,10 @@ sys.exit(gpu.main(["--xla-profile", "none", "--json", {str(out)!r}]))
     assert not out.exists()
 
 
-def test_profile_and_memory_only_dry_run(tmp_path):
+@pytest.mark.slow  # a second compile of a variant; the dry run above already checks top_kernels
+def test_profile_dry_run(tmp_path):
     """``--profile VARIANT`` keeps a jax.profiler trace and prints the top kernels and the time
-    shares; ``--memory-only`` lowers the step for CUDA (cuDNN attention) and lists the compiled
-    step's largest allocations against 48 GB. Both on CPU, tiny shapes."""
+    shares (CPU, tiny shapes)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
     prof = tmp_path / "prof"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--profile", "coarse/blocked",
@@ -118,6 +120,12 @@ def test_profile_and_memory_only_dry_run(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--profile", "coarse/nope"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not a throughput variant" in bad.stderr
+
+
+def test_memory_only_dry_run(tmp_path):
+    """``--memory-only`` lowers the step for CUDA as on a GPU (cuDNN attention) and lists the
+    compiled step's (XLA:CPU proxy) largest allocations against 48 GiB (CPU, tiny shapes)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
     out = tmp_path / "m.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--memory-only", "--only",
                         "coarse/blocked+save_dots", "--json", str(out)],
@@ -132,7 +140,7 @@ def test_profile_and_memory_only_dry_run(tmp_path):
     top = v["top_allocations"]
     assert len(top) == 5 and all(a["bytes"] > 0 and a["shapes"] for a in top)
     assert [a["bytes"] for a in top] == sorted((a["bytes"] for a in top), reverse=True)
-    assert "fits in 48 GB [XLA:CPU proxy]" in r.stdout
+    assert "fits in 48 GiB [XLA:CPU proxy]" in r.stdout
 
 
 def test_kernel_categories_and_allocation_report(tmp_path):
