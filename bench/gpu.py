@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile-dir", default="", help="where --profile writes the trace (default bench/gpu_profile/)")
     p.add_argument("--memory-only", action="store_true",
                    help="no timing: each shape's step lowered for CUDA and its compiled memory (XLA:CPU proxy), "
-                        "the five largest allocations, against 48 GB")
+                        "the five largest allocations, against 48 GiB")
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--memory-variant", default="", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
