@@ -1,6 +1,8 @@
-"""The GPU benchmark behind ``bench/gpu.sh`` (one lent H200, <= 8 minutes): throughput and memory.
+"""The GPU benchmark behind ``bench/gpu.sh`` (one lent GPU, <= 8 minutes): throughput and memory.
 
     bench/gpu.sh [--dry-run] [--json PATH] [--budget-s 450] [--xla-profile gpu_overlap|none]
+    python bench/gpu.py [--dry-run] --profile VARIANT [--profile-dir DIR]  # trace + top 15 kernels
+    python bench/gpu.py [--dry-run] --memory-only     # does each shape fit (bench/gpu_fit.py), CPU
 
 Throughput (tokens/s, MFU against a measured bf16 matmul peak, peak device memory), bf16 compute,
 flash attention (``train.attention_kernel=dot_product``: cuDNN on GPU), the ``gpu_overlap`` XLA
@@ -10,7 +12,14 @@ QK-norm, Qwen3-MoE-style) -- each with the ``ragged`` path on jax's Hopper group
 (``*/ragged_mgpu``: ``moe.ragged_kernel=mosaic_gpu``, which also reports ``kernel_check``, the
 relative L2 error of its output and gradients against ``jax.lax.ragged_dot`` on the device), the
 ``blocked`` path, and last the ``ragged`` path on ``jax.lax.ragged_dot`` (``*/ragged``: lowered
-densely on GPU, a reference).
+densely on GPU, a reference). Each throughput variant also runs 2 steps under ``jax.profiler``:
+``top_kernels`` and ``time_shares`` (matmul / collective / attention / other; bench/gpu_profile.py).
+
+The peer (issue 27): torchtitan's Qwen3-style MoE at the same shapes (``*/torchtitan``, and
+``*/torchtitan_compile`` with ``torch.compile``), each in its own process (bench/titan_worker.py;
+jaxmoe never imports torchtitan); every jaxmoe throughput variant gets ``torchtitan_tokens_per_s``
+(the faster torchtitan variant of its shape) and ``ratio_to_torchtitan``, and one ``jaxmoe /
+torchtitan`` line per shape is printed. The dry run runs it on CPU (SDPA attention, no compile).
 
 Memory (issue 13): peak device memory of a europa-shaped slice (full width d_model 7168, MLA with
 64 heads, vocab 163840, 1 dense + 2 MoE layers, 384 experts of width 1536 cut to 16, 4096 tokens)
@@ -38,7 +47,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+
+import gpu_fit
+import gpu_profile
+import titan_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,6 +107,11 @@ def variants(dry: bool) -> list[dict]:
                  "sets": {**_COMMON, **sets, **path_sets, "train.attention_kernel": "dot_product"}}
             (last if name == "ragged" else out).append(v)  # the dense-lowered reference last
     out.sort(key=lambda v: v["name"].split("/")[1] != "ragged_mgpu")  # the grouped GEMMs first
+    for shape, sets in _throughput_shapes(dry).items():  # the peer, same shapes (bench/titan_worker.py)
+        for comp in ((False,) if dry else (False, True)):  # no torch.compile on CPU (dry run)
+            out.append({"name": f"{shape}/torchtitan{'_compile' if comp else ''}", "kind": "torchtitan",
+                        "shape": shape, "sets": sets, "compile": comp, "attn": "sdpa" if dry else "flex",
+                        "device": "cpu" if dry else "cuda"})
     # 1 dense + 2 MoE layers; the blocked expert path: ragged_dot's dense lowering would add an
     # [E, rows, D] copy (7.5 GiB here) to figures that are about attention, CE and offload
     eu = {**_COMMON, **_europa_slice(dry), "moe.compute_path": "blocked"}
@@ -114,17 +133,10 @@ def variants(dry: bool) -> list[dict]:
 # -- one variant -------------------------------------------------------------------------------
 
 
-def matmul_peak(n: int, dtype: str = "bfloat16", reps: int = 10) -> float:
-    from jaxmoe.step import measure_matmul_peak
-
-    return measure_matmul_peak(n, dtype, reps)
-
-
 def _peak_bytes() -> int | None:
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
 def kernel_check(cfg, rows: int = 4096) -> dict:
@@ -171,8 +183,10 @@ def kernel_check(cfg, rows: int = 4096) -> dict:
     return out
 
 
-def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
-    """Build, compile and time one variant; returns its record (or ``skipped`` with the reason)."""
+def run_variant(v: dict, steps: int, peak_flops: float, profile_dir: str = "") -> dict:
+    """Build, compile and time one variant; returns its record (or ``skipped`` with the reason).
+    A throughput variant then runs 2 steps under ``jax.profiler.trace`` (into ``profile_dir`` if
+    given, else a temporary folder): ``top_kernels`` and ``time_shares`` (bench/gpu_profile.py)."""
     import jax
     import numpy as np
 
@@ -223,10 +237,86 @@ def run_variant(v: dict, steps: int, peak_flops: float) -> dict:
                tokens_per_s=b * s / dt, flops_per_token=flops_per_token(cfg),
                peak_device_bytes=_peak_bytes())
     rec["mfu"] = rec["tokens_per_s"] * rec["flops_per_token"] / peak_flops
+    if v["kind"] == "throughput":  # a trace of 2 more steps: where the time goes
+        with tempfile.TemporaryDirectory() as tmp:
+            trace_dir = profile_dir or tmp
+            with jax.profiler.trace(trace_dir):
+                for _ in range(2):
+                    state, m = compiled(state, batch)
+                    m["loss"].block_until_ready()
+            summary = gpu_profile.summarize(*gpu_profile.kernel_times(gpu_profile.find_xplane(trace_dir)))
+        rec["top_kernels"] = summary["kernels"]
+        rec["time_shares"] = summary["shares"]
+        rec["profile_source"] = summary["source"]
+        rec["profile_total_ms"], rec["profile_n_kernels"] = summary["total_ms"], summary["n_kernels"]
+        if profile_dir:
+            rec["profile_dir"] = profile_dir
     if cfg.moe.compute_path == "ragged" and cfg.moe.ragged_kernel != "xla":
         del state, compiled
         rec["kernel_check"] = kernel_check(cfg, rows=256 if b * s < 4096 else 4096)
     return rec
+
+
+# -- memory: does the step fit (issue 27 item 2) --------------------------------------------------
+
+def memory_variants(dry: bool) -> list[dict]:
+    """The blocked path (the one a CUDA backend picks) at each throughput shape, as benched and
+    lean (``train.remat=save_dots``, ``train.ce_chunk_tokens=1024``)."""
+    out = []
+    for shape, sets in _throughput_shapes(dry).items():
+        base = {**_COMMON, **sets, "moe.compute_path": "blocked", "train.attention_kernel": "dot_product"}
+        out.append({"name": f"{shape}/blocked", "kind": "memory_fit", "preset": "mixtral-tiny" if shape == "coarse"
+                    else "tiny", "sets": base})
+        out.append({"name": f"{shape}/blocked+save_dots+chunked_ce", "kind": "memory_fit",
+                    "preset": "mixtral-tiny" if shape == "coarse" else "tiny",
+                    "sets": {**base, "train.remat": "save_dots", "train.ce_chunk_tokens": 64 if dry else 1024}})
+    return out
+
+
+def _memory_only(args) -> int:
+    todo = [v for v in memory_variants(args.dry_run)
+            if not args.only or any(v["name"].startswith(o) for o in args.only.split(","))]
+    results = []
+    for v in todo:  # each in its own CPU process unless dry: a compile's host memory is returned
+        if args.dry_run:
+            rec = gpu_fit.memory_fit(v)
+        else:
+            rec = _run_script([os.path.abspath(__file__), "--memory-variant", json.dumps(v)], timeout=900,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+            rec = rec if "name" in rec else {"name": v["name"], "kind": "memory_fit", **rec}
+        results.append(rec)
+        print(gpu_fit.memory_line(rec), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"memory_only": True, "dry_run": args.dry_run, "fit_bytes": gpu_fit.FIT_BYTES,
+                       "variants": results}, f, indent=2)
+    return 0 if all("peak_bytes" in r for r in results) else 1
+
+
+# -- torchtitan, the peer ------------------------------------------------------------------------
+
+
+def _run_script(cmd: list[str], timeout: float, env=None) -> dict:
+    """Run a Python script (``cmd``) in a fresh process; its ``RESULT`` line as a dict, or
+    ``{"skipped": ...}`` / ``{"error": ...}``."""
+    try:
+        out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=timeout, check=False,
+                             env=env)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"timed out after {timeout:.0f}s"}
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    return {"error": f"exit {out.returncode}: {tail}"}
+
+
+def run_titan(v: dict, steps: int, timeout: float) -> dict:
+    """One torchtitan variant in its own process (bench/titan_worker.py)."""
+    cmd = [os.path.join(ROOT, "bench", "titan_worker.py"), "--shape", json.dumps(v["sets"]), "--steps", str(steps),
+           "--attn", v["attn"], "--device", v["device"], *(["--compile"] if v["compile"] else [])]
+    rec = _run_script(cmd, timeout)
+    return {"name": v["name"], "kind": "torchtitan", **rec}
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -236,7 +326,9 @@ def _header(dry: bool, xla_profile: str) -> dict:
     """Backend, device, jax version and the measured bf16 matmul peak (FLOP/s) of this process."""
     import jax
 
-    peak = matmul_peak(256 if dry else 8192, "bfloat16", reps=3 if dry else 10)
+    from jaxmoe.step import measure_matmul_peak
+
+    peak = measure_matmul_peak(256 if dry else 8192, "bfloat16", 3 if dry else 10)
     return {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "dry_run": dry, "xla_profile": xla_profile, "bf16_matmul_peak_tflops": peak / 1e12,
             "jax": jax.__version__}
@@ -263,8 +355,10 @@ def _reference_kernels_if_dry(v: dict):
 def _child(args) -> int:
     if args.measure_peak:
         rec = _header(False, args.xla_profile)
+    elif args.memory_variant:
+        rec = gpu_fit.memory_fit(json.loads(args.memory_variant))
     else:
-        rec = run_variant(json.loads(args.variant), args.steps, args.peak)
+        rec = run_variant(json.loads(args.variant), args.steps, args.peak, args.profile_dir)
     print("RESULT " + json.dumps(rec))
     return 0
 
@@ -272,21 +366,12 @@ def _child(args) -> int:
 def _run_child(child_args: list[str], timeout: float) -> dict:
     """Run this script with ``child_args`` in a fresh process; its ``RESULT`` line as a dict, or
     ``{"skipped": ...}`` / ``{"error": ...}``."""
-    cmd = [sys.executable, os.path.abspath(__file__), *child_args]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"skipped": f"timed out after {timeout:.0f}s"}
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
-    return {"error": f"exit {out.returncode}: {tail}"}
+    return _run_script([os.path.abspath(__file__), *child_args], timeout)
 
 
-def _in_subprocess(v: dict, steps: int, peak: float, timeout: float, xla_profile: str) -> dict:
+def _in_subprocess(v: dict, steps: int, peak: float, timeout: float, xla_profile: str, profile_dir: str = "") -> dict:
     rec = _run_child(["--variant", json.dumps(v), "--steps", str(steps), "--peak", str(peak),
-                      "--xla-profile", xla_profile], timeout)
+                      "--xla-profile", xla_profile, *(["--profile-dir", profile_dir] if profile_dir else [])], timeout)
     return rec if "name" in rec else {"name": v["name"], "kind": v["kind"], **rec}
 
 
@@ -298,7 +383,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0, help="timed steps per variant (default 10; 2 dry)")
     p.add_argument("--only", default="", help="comma-separated name prefixes to run")
     p.add_argument("--xla-profile", default="gpu_overlap", choices=("gpu_overlap", "none"))
+    p.add_argument("--profile", default="", metavar="VARIANT",
+                   help="run only VARIANT, keep its jax.profiler trace (--profile-dir) and print its top 15 kernels "
+                        "and the share of time in matmuls, collectives, attention and other")
+    p.add_argument("--profile-dir", default="", help="where --profile writes the trace (default bench/gpu_profile/)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="no timing: each shape's step lowered for CUDA and its compiled memory (XLA:CPU proxy), "
+                        "the five largest allocations, against 48 GiB")
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--memory-variant", default="", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--measure-peak", action="store_true", help=argparse.SUPPRESS)  # child mode
     args = p.parse_args(argv)
@@ -312,8 +405,18 @@ def main(argv=None) -> int:
         added = apply_xla_flags_profile(args.xla_profile)
         if not (args.variant or args.measure_peak):
             print(f"XLA flags profile {args.xla_profile}: {len(added)} flags added", file=sys.stderr)
-    if args.variant or args.measure_peak:
+    if args.variant or args.measure_peak or args.memory_variant:
         return _child(args)
+    if args.memory_only:
+        return _memory_only(args)
+    if args.profile:
+        if args.profile not in {v["name"] for v in variants(args.dry_run) if v["kind"] == "throughput"}:
+            print(f"error: --profile {args.profile!r} is not a throughput variant; one of: "
+                  + ", ".join(v["name"] for v in variants(args.dry_run) if v["kind"] == "throughput"), file=sys.stderr)
+            return 2
+        args.only = args.profile
+        args.profile_dir = os.path.abspath(args.profile_dir or os.path.join(
+            ROOT, "bench", "gpu_profile", args.profile.replace("/", "_")))
     t_start = time.perf_counter()
     steps = args.steps or (2 if args.dry_run else 10)
     if args.dry_run:  # CPU: in-process
@@ -339,15 +442,26 @@ def main(argv=None) -> int:
         left = args.budget_s - (time.perf_counter() - t_start)
         if left < (1 if args.dry_run else 30):
             rec = {"name": v["name"], "kind": v["kind"], "skipped": "time budget spent"}
+        elif v["kind"] == "torchtitan":  # its own process, on CPU (dry run) too
+            rec = run_titan(v, steps, timeout=600.0 if args.dry_run else left)
         elif args.dry_run:
             with _reference_kernels_if_dry(v) as stand_in:
-                rec = run_variant(v, steps, peak)
+                rec = run_variant(v, steps, peak, args.profile_dir)
             if stand_in:
                 rec["kernels"] = "jnp reference kernels (dry run), not Mosaic GPU"
         else:
-            rec = _in_subprocess(v, steps, peak, timeout=left, xla_profile=args.xla_profile)
+            rec = _in_subprocess(v, steps, peak, timeout=left, xla_profile=args.xla_profile,
+                                 profile_dir=args.profile_dir)
         results.append(rec)
         print(_line(rec), flush=True)
+    for line in titan_worker.attach_ratios(results):
+        print(line, flush=True)
+    if args.profile and results and "top_kernels" in results[0]:
+        r = results[0]
+        print(gpu_profile.profile_table({"source": r["profile_source"], "kernels": r["top_kernels"],
+                                         "shares": r["time_shares"], "total_ms": r["profile_total_ms"],
+                                         "n_kernels": r["profile_n_kernels"]}))
+        print(f"trace: {r['profile_dir']}", flush=True)
     out = {**header, "wall_s": time.perf_counter() - t_start, "variants": results}
     if args.json:  # written whole or not at all: a run killed here leaves the previous file
         tmp = f"{args.json}.tmp"
@@ -365,6 +479,10 @@ def _gib(x) -> str:
 def _line(r: dict) -> str:
     if "skipped" in r or "error" in r:
         return f"{r['name']:36s} {'SKIPPED' if 'skipped' in r else 'ERROR'}: {r.get('skipped') or r.get('error')}"
+    if r["kind"] == "torchtitan":
+        return (f"{r['name']:36s} {r['tokens_per_s']:10.0f} tok/s  peak mem {_gib(r['peak_device_bytes'])}  "
+                f"(torch {r['torch']}, {r['attention']} attention, compile {'on' if r['compile'] else 'off'}, "
+                f"first step {r['first_step_s']:.0f}s; loss {r['loss_first']:.3f} -> {r['loss_last']:.3f})")
     ma = r.get("memory_analysis_bytes")
     temp = _gib(ma["temp"]) if isinstance(ma, dict) else "n/a"
     kc = r.get("kernel_check")

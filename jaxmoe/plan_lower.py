@@ -81,16 +81,24 @@ def abstract_inputs(cfg: Config, mesh):
     return tx, state, batch
 
 
-def lower_train_step(cfg: Config, platform: str = "cuda") -> dict:
-    """Trace and lower the real train step for ``platform`` on an abstract mesh of the config's
-    shape; per-device input shapes from the shardings; memory_analysis when compilable here."""
-    t0 = time.perf_counter()
+def lower_abstract(cfg: Config, platform: str = "cuda"):
+    """``(lowered, abstract state, dispatcher)``: the real train step traced on an abstract mesh
+    of the config's shape and lowered for ``platform`` (``lowered.as_text()`` is its StableHLO);
+    nothing allocated, no device of that platform needed."""
     sizes = _sizes(cfg)
     mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
     tx, state, batch = abstract_inputs(cfg, mesh)
     kind = dispatch_mod.resolve_dispatcher(cfg, platform="gpu" if platform in ("cuda", "rocm") else platform)
     step = make_train_step(Model(cfg, dispatch_mod.make_dispatch(cfg, mesh, kind)), tx, donate=True)
-    lowered = step.trace(state, batch).lower(lowering_platforms=(platform,))
+    return step.trace(state, batch).lower(lowering_platforms=(platform,)), state, kind
+
+
+def lower_train_step(cfg: Config, platform: str = "cuda") -> dict:
+    """Trace and lower the real train step for ``platform`` on an abstract mesh of the config's
+    shape; per-device input shapes from the shardings; memory_analysis when compilable here."""
+    t0 = time.perf_counter()
+    sizes = _sizes(cfg)
+    lowered, state, kind = lower_abstract(cfg, platform)
     text = lowered.as_text()
     leaves = []
     for kp, x in jax.tree_util.tree_leaves_with_path(state):
@@ -225,15 +233,20 @@ def lower_report(cfg: Config) -> dict:
     return out
 
 
-__all__ = ["count_collectives", "lower_report", "lower_train_step", "optimizer_update_collectives", "reduced_config"]
+__all__ = ["compile_on_local_devices", "compiled_memory", "count_collectives", "lower_abstract", "lower_report",
+           "lower_train_step", "optimizer_update_collectives", "reduced_config"]
 
 
 _FAST_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def compiled_memory(cfg: Config) -> dict:
-    """XLA's memory_analysis() of the real train step compiled for this process's devices on the
-    config's mesh (a concrete mesh: e.g. 8 fake CPU devices for a small preset)."""
+def compile_on_local_devices(cfg: Config, compiler_options: dict | None = None):
+    """The real train step compiled (``jax.stages.Compiled``) for this process's devices on the
+    config's mesh (a concrete mesh: e.g. 8 fake CPU devices for a small preset), nothing run.
+    Buffer assignment (what ``memory_analysis`` reports) is decided by XLA's HLO passes; the LLVM
+    code generation after it does not change it, so it runs unoptimised by default: ~40% less
+    compile time, identical figures (checked on tiny muon/none: same argument/output/alias/temp
+    bytes)."""
     from jaxmoe.mesh import make_mesh
 
     sizes = _sizes(cfg)
@@ -241,10 +254,14 @@ def compiled_memory(cfg: Config) -> dict:
     tx, state, batch = abstract_inputs(cfg, mesh)
     kind = dispatch_mod.resolve_dispatcher(cfg, platform=jax.default_backend())
     step = make_train_step(Model(cfg, dispatch_mod.make_dispatch(cfg, mesh, kind)), tx, donate=True)
-    # Buffer assignment (what memory_analysis reports) is decided by XLA's HLO passes; the LLVM
-    # code generation after it does not change it, so it runs unoptimised here: ~40% less compile
-    # time, identical figures (checked on tiny muon/none: same argument/output/alias/temp bytes).
-    ma = step.lower(state, batch).compile(compiler_options=_FAST_CODEGEN).memory_analysis()
+    opts = _FAST_CODEGEN if compiler_options is None else compiler_options
+    return step.lower(state, batch).compile(compiler_options=opts)
+
+
+def compiled_memory(cfg: Config) -> dict:
+    """XLA's memory_analysis() of the real train step compiled for this process's devices on the
+    config's mesh (:func:`compile_on_local_devices`)."""
+    ma = compile_on_local_devices(cfg).memory_analysis()
     out = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
                                               "temp_size_in_bytes", "alias_size_in_bytes")}
     # peak live bytes of the step: inputs + outputs (donated outputs reuse their inputs) + temps

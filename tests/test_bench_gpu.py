@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,7 +17,7 @@ def test_gpu_bench_dry_run(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
     # a throughput and a memory variant, and the Hopper-kernel variant (reference kernels on CPU)
-    only = "coarse/blocked,europa/lean+offload_optimizer,fine/ragged_mgpu"
+    only = "coarse/blocked,europa/lean+offload_optimizer,fine/ragged_mgpu,coarse/torchtitan"
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run", "--only", only, "--json", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -23,7 +25,7 @@ def test_gpu_bench_dry_run(tmp_path):
     assert res["dry_run"] is True and res["backend"] == "cpu" and res["bf16_matmul_peak_tflops"] > 0
     by = {v["name"]: v for v in res["variants"]}
     assert set(by) == set(only.split(","))
-    for name in only.split(","):
+    for name in only.split(",")[:3]:
         v = by[name]
         assert v["tokens_per_s"] > 0 and 0 < v["mfu"] and v["loss_last"] == v["loss_last"]  # finite
         assert isinstance(v["memory_analysis_bytes"], dict), v
@@ -33,6 +35,21 @@ def test_gpu_bench_dry_run(tmp_path):
     errs = [kc[k] for k in kc if k.startswith("d_") or k == "output"]
     assert kc["finite"] and kc["rows"] == 256 and max(errs) < 3e-2, kc
     assert "vs ragged_dot: max rel L2" in r.stdout
+    # the peer: torchtitan's MoE in its own process (CPU: SDPA, no compile), and the ratio per shape
+    tt = by["coarse/torchtitan"]
+    assert tt["kind"] == "torchtitan" and tt["tokens_per_s"] > 0 and tt["loss_last"] == tt["loss_last"], tt
+    assert tt["attention"] == "sdpa" and tt["compile"] is False and tt["device"] == "cpu"
+    cb = by["coarse/blocked"]
+    assert cb["torchtitan_tokens_per_s"] == tt["tokens_per_s"]
+    assert abs(cb["ratio_to_torchtitan"] - cb["tokens_per_s"] / tt["tokens_per_s"]) < 1e-9
+    assert by["fine/ragged_mgpu"]["torchtitan_tokens_per_s"] is None  # no fine torchtitan run here
+    assert "coarse: jaxmoe / torchtitan = " in r.stdout and "fine: jaxmoe / torchtitan = n/a" in r.stdout
+    # where the time goes: a profile of 2 more steps per throughput variant (CPU: XLA's thunks)
+    for name in ("coarse/blocked", "fine/ragged_mgpu"):
+        tk, sh = by[name]["top_kernels"], by[name]["time_shares"]
+        assert 0 < len(tk) <= 15 and all(k["ms"] >= 0 and k["category"] in sh for k in tk), tk
+        assert abs(sum(sh.values()) - 1) < 1e-6 and sh["matmul"] > 0, sh
+    assert "top_kernels" not in by["europa/lean+offload_optimizer"]
 
 
 def test_driver_never_imports_jax(tmp_path):
@@ -85,3 +102,70 @@ sys.exit(gpu.main(["--xla-profile", "none", "--json", {str(out)!r}]))
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert lines == ["error: the matmul-peak process failed: exit 1: CUDA_ERROR_NO_DEVICE"], r.stderr[-1000:]
     assert not out.exists()
+
+
+@pytest.mark.slow  # a second compile of a variant; the dry run above already checks top_kernels
+def test_profile_dry_run(tmp_path):
+    """``--profile VARIANT`` keeps a jax.profiler trace and prints the top kernels and the time
+    shares (CPU, tiny shapes)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    prof = tmp_path / "prof"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--profile", "coarse/blocked",
+                        "--profile-dir", str(prof), "--json", str(tmp_path / "p.json")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list(prof.rglob("*.xplane.pb")), "no trace written"
+    assert "kernels" in r.stdout and "shares: matmul" in r.stdout and f"trace: {prof}" in r.stdout, r.stdout
+    assert [v["name"] for v in json.loads((tmp_path / "p.json").read_text())["variants"]] == ["coarse/blocked"]
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--profile", "coarse/nope"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not a throughput variant" in bad.stderr
+
+
+def test_memory_only_dry_run(tmp_path):
+    """``--memory-only`` lowers the step for CUDA as on a GPU (cuDNN attention) and lists the
+    compiled step's (XLA:CPU proxy) largest allocations against 48 GiB (CPU, tiny shapes)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    out = tmp_path / "m.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--memory-only", "--only",
+                        "coarse/blocked+save_dots", "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (v,) = json.loads(out.read_text())["variants"]
+    assert v["name"] == "coarse/blocked+save_dots+chunked_ce" and v["remat"] == "save_dots"
+    c = v["cuda_stablehlo"]  # lowered as on a GPU: cuDNN attention, no score tensor, no ragged_dot
+    assert c["cudnn_attention_calls"] >= 2 and c["score_tensors"] == [] and c["chlo_ragged_dot"] == 0, c
+    ma = v["memory_analysis_bytes"]
+    assert v["peak_bytes"] == ma["argument"] + ma["output"] - ma["alias"] + ma["temp"] > 0 and v["fits_48GB"]
+    top = v["top_allocations"]
+    assert len(top) == 5 and all(a["bytes"] > 0 and a["shapes"] for a in top)
+    assert [a["bytes"] for a in top] == sorted((a["bytes"] for a in top), reverse=True)
+    assert "fits in 48 GiB [XLA:CPU proxy]" in r.stdout
+
+
+def test_kernel_categories_and_allocation_report(tmp_path):
+    """bench/gpu_profile.py: kernel names -> categories, shares, and XLA's memory-usage report
+    parsed (sizes, value counts, shapes), by hand."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_profile as gp
+
+    cases = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n": "matmul",
+             "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "matmul",
+             "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "collective", "all-gather-start.2": "collective",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention", "loop_multiply_fusion_3": "other",
+             "ynn_fusion": "matmul", "dot.12": "matmul", "input_reduce_fusion": "other",
+             "ragged_dot_mgpu_kernel": "matmul"}
+    assert {n: gp.category(n) for n in cases} == cases
+    s = gp.summarize("test", {"gemm_a": 6e6, "nccl_b": 2e6, "flash_c": 1e6, "fusion_d": 1e6}, top=2)
+    assert [k["name"] for k in s["kernels"]] == ["gemm_a", "nccl_b"] and s["total_ms"] == 10.0
+    assert s["shares"] == {"matmul": 0.6, "collective": 0.2, "attention": 0.1, "other": 0.1}
+    (tmp_path / "module_0001.jit_step.cpu_after_optimizations-memory-usage-report.txt").write_text(
+        "Memory Space: default (color=0)\nTotal bytes: 3221225472 (3.00GiB)\n"
+        "  cumulative_size;       size;       offset; used_by_n_values; shapes_list\n"
+        "  ------------------------------------------------------------\n"
+        "    2.00GiB( 67%);    2.00GiB;            0;                6; f32[4,8,2048,4096], 5\u00d7f32[4,2048]\n"
+        "    2.50GiB( 83%);  512.00MiB;   2147483648;                1; bf16[8,2048,16384]\n"
+        "    3.00GiB(100%);  512.00MiB;   2684354560;                2; 2\u00d7f32[32768,4096]\n")
+    top = gp.largest_allocations(str(tmp_path), 2)
+    assert top == [{"bytes": 2 * 2**30, "values": 6, "shapes": "f32[4,8,2048,4096], 5\u00d7f32[4,2048]"},
+                   {"bytes": 2**29, "values": 1, "shapes": "bf16[8,2048,16384]"}]
