@@ -270,3 +270,17 @@ def test_default_corpus_packs_its_files_as_documents():
     seg, pos = b["segment_ids"], b["positions"]
     same = seg[:, 1:] == seg[:, :-1]
     assert (pos[:, 1:][same & (seg[:, 1:] > 0)] == pos[:, :-1][same & (seg[:, 1:] > 0)] + 1).all()
+
+
+def test_seek_batch_position_of_another_frameworks_run(docs_file):
+    """{"seek_batch": b} (a torchtitan run continued in jaxmoe): a single flat stream in windows
+    packing serves batch b next, as the uninterrupted pipeline would; other data is refused."""
+    flat = f"tokens:{docs_file}/docs.npy"
+    want = take(make_data(cfg_for(flat)), 4)[3]
+    src = make_data(cfg_for(flat))
+    src.restore({"seek_batch": 3})
+    got = src.next_batch()
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    docs = make_data(cfg_for(flat, packing="documents", doc_sep_id=0))
+    with pytest.raises(UserError, match="only one tokens:/default source in train.packing=windows"):
+        docs.restore({"seek_batch": 3})
