@@ -129,7 +129,7 @@ def test_torchtitan_state_maps_into_jaxmoe(titan_ckpt):
     assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2) == (out["param_group"]["initial_lr"], 0.1, 0.95)
     tx = build_optimizer(cfg.train, abstract_params(cfg)[0], declared_groups(cfg))
     state, start, data = res.initial_state(cfg, tx, None)
-    assert start == K and data == {"batch_index": K} and int(state["step"]) == K
+    assert start == K and data == {"seek_batch": K} and int(state["step"]) == K
     got = np.load(step.parent / "loaded.npz")
     adam = state["opt_state"][1][0]
     assert int(adam.count) == K
