@@ -140,6 +140,10 @@ def release_pages(arr) -> None:
 # written chunks resident until a save commits: 4 MiB keeps both small next to any leaf (64 MiB
 # chunks: hf -> orbax peak 585 vs 298 MB for 134 vs 17 MB leaves; tests/test_convert_memory.py).
 STREAM_CHUNK_BYTES = 4 * 2**20
+# Chunk writes of one leaf in flight at once: TensorStore encodes and writes them on its own
+# threads while the next are issued (one at a time, a save waited on every 4 MiB write), and
+# memory holds at most this many chunks more (docs/MEASUREMENTS.md, "Conversion at disk speed").
+STREAM_WRITES_IN_FLIGHT = 8
 
 
 def _chunk_boxes(shape, chunk):
@@ -186,8 +190,9 @@ class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
       caller keeps the arrays unchanged until the save is committed, which
       :func:`save_model` does (it blocks);
     * the stock handler starts every leaf's write at once; here a lock makes them run one
-      after another, each leaf chunk by chunk, and after each chunk the leaf's file-backed
-      pages are dropped (:func:`release_pages`);
+      after another, each leaf chunk by chunk (:data:`STREAM_WRITES_IN_FLIGHT` chunks in
+      flight), and as each chunk completes the leaf's file-backed pages are dropped
+      (:func:`release_pages`);
     * leaves over :data:`STREAM_CHUNK_BYTES` get Zarr chunks that split only the leading axes
       (:func:`_slab_chunks`), so a chunk is one contiguous byte range of the leaf. Orbax's
       own choice (``SaveArgs.chunk_byte_size``) splits the largest axis first, e.g. the
@@ -226,10 +231,16 @@ class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
             try:
                 t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
                 # (Orbax refuses 0-size arrays before this point)
+                pending: list = []  # up to STREAM_WRITES_IN_FLIGHT chunk writes at once
                 for box in _chunk_boxes(value.shape, t.chunk_layout.write_chunk.shape):
-                    await t[box].write(value[box], can_reference_source_data_indefinitely=True)
-                    release_pages(value)
+                    pending.append(t[box].write(value[box],
+                                                can_reference_source_data_indefinitely=True))
                     n += 1
+                    if len(pending) >= STREAM_WRITES_IN_FLIGHT:
+                        await pending.pop(0)
+                        release_pages(value)
+                for w in pending:
+                    await w
             finally:
                 release_pages(value)
                 self.trace.append(("end", n))

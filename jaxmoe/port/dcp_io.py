@@ -301,6 +301,15 @@ class DcpDir:
                             f"{int(np.prod(shape, dtype=np.int64))} elements")
         return out
 
+    def view(self, fqn: str) -> np.ndarray:
+        """The tensor ``fqn``: a read-only map of its bytes when one chunk holds all of it (no
+        copy), else :meth:`read`."""
+        shape, dtype = self.shape(fqn), self.dtype(fqn)
+        chunks = self.chunks(fqn)
+        if len(chunks) == 1 and chunks[0].sizes == shape and not any(chunks[0].offsets):
+            return self._chunk(fqn, chunks[0], dtype)
+        return self.read(fqn)
+
     def read_object(self, fqn: str):
         """A byte item (``lr_scheduler.last_epoch``, an optimizer param-group field, ...): the
         ``torch.save`` bytes' ``data.pkl`` read by :class:`SafeUnpickler`, so only plain values

@@ -324,6 +324,41 @@ class SafetensorsWriter:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")
 
 
+COPY_BLOCK = 64 * 2**20
+
+
+def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``src`` at ``src_offset`` to the existing (pre-sized) ``dst`` at
+    ``dst_offset``, inside the kernel (``copy_file_range``: no copy through this process's
+    memory), or in :data:`COPY_BLOCK` pieces through one buffer where the file system cannot."""
+    fin = os.open(src, os.O_RDONLY)
+    try:
+        fout = os.open(dst, os.O_WRONLY)
+        try:
+            done = 0
+            while done < nbytes:
+                try:
+                    n = os.copy_file_range(fin, fout, min(nbytes - done, 2**30),
+                                           src_offset + done, dst_offset + done)
+                except OSError:  # EXDEV, ENOSYS, EINVAL (e.g. across file systems)
+                    n = 0
+                if n <= 0:
+                    break
+                done += n
+            while done < nbytes:  # fallback (or a short source: caught below)
+                chunk = os.pread(fin, min(nbytes - done, COPY_BLOCK), src_offset + done)
+                if not chunk:
+                    raise UserError(f"{src}: truncated ({nbytes} bytes wanted at {src_offset})")
+                view, k = memoryview(chunk), 0
+                while k < len(view):
+                    k += os.pwrite(fout, view[k:], dst_offset + done + k)
+                done += len(chunk)
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
+
+
 def write_tensors(target, tensors: dict, metadata=None, shard_size=None, single_file=False):
     """Convenience for small dicts of arrays (tests): plan in dict order, write, close."""
     w = SafetensorsWriter(target, [(k, v.shape, v.dtype) for k, v in tensors.items()],
@@ -335,6 +370,6 @@ def write_tensors(target, tensors: dict, metadata=None, shard_size=None, single_
 
 
 __all__ = [
-    "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "SafetensorsReader", "SafetensorsWriter",
+    "COPY_BLOCK", "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "copy_bytes", "SafetensorsReader", "SafetensorsWriter",
     "TensorInfo", "dequantize_fp8", "dtype_tag", "parse_size", "read_header", "write_tensors",
 ]

@@ -26,7 +26,16 @@ from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import from_hf_config, to_hf_config
 from jaxmoe.port import hf_map
-from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, Sink, Source, shape_text
+from jaxmoe.port.formats.base import (
+    TITAN_OPTION,
+    Endpoint,
+    Format,
+    Option,
+    RawTensor,
+    Sink,
+    Source,
+    shape_text,
+)
 from jaxmoe.port.hf_meta import merge_into_hf_dir
 from jaxmoe.port.safetensors_io import (
     SafetensorsReader,
@@ -38,7 +47,7 @@ from jaxmoe.port.safetensors_io import (
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
+def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
     """``dst[...] = src`` with its last two dims swapped (2-D: the transpose), in column tiles.
 
     Tiles of 128 columns keep both sides in cache, where a plain ``dst[...] = src.T`` walks one
@@ -47,7 +56,7 @@ def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
     """
     if src.ndim > 2:
         for i in range(src.shape[0]):
-            _transpose_into(dst[i], src[i], tile)
+            transpose_into(dst[i], src[i], tile)
         return
     if src.ndim != 2:
         dst[...] = src.T
@@ -56,11 +65,11 @@ def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
         dst[:, j : j + tile] = src[j : j + tile].T
 
 
-def _transposed(src: np.ndarray, dtype=None) -> np.ndarray:
+def transposed(src: np.ndarray, dtype=None) -> np.ndarray:
     """A contiguous copy of ``src`` with its last two axes swapped (``src.T`` for 2-D; a fused
-    ``[E, a, b]`` -> ``[E, b, a]``), optionally cast, made with :func:`_transpose_into`."""
+    ``[E, a, b]`` -> ``[E, b, a]``), optionally cast, made with :func:`transpose_into`."""
     out = np.empty(src.shape[:-2] + (src.shape[-1], src.shape[-2]), dtype or src.dtype)
-    _transpose_into(out, src)
+    transpose_into(out, src)
     return out
 
 
@@ -137,8 +146,20 @@ class HfTensorSource(Source):
             self.notices.append(f"note: skipping {layers} ({sum(mtp.values())} tensors): "
                                 "multi-token-prediction layers are not part of jaxmoe")
 
+    raw_names = "hf"
+
     def keys(self) -> list[str]:
         return list(self.groups)
+
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
+        """The leaf's HF tensors as stored, unless one is a part of a fused tensor or FP8."""
+        out = {}
+        for ent in self.groups[key]:
+            info = self.reader.infos[ent.hf_name]
+            if ent.hf_part is not None or info.dtype == FP8:
+                return None
+            out[ent.hf_name] = RawTensor(info.file, info.offset, info.nbytes, info.dtype, info.shape)
+        return out
 
     def leaf_dtype(self, key: str) -> np.dtype:
         """The dtype the leaf has in the source (float32 after FP8 dequantisation)."""
@@ -180,7 +201,7 @@ class HfTensorSource(Source):
         if ent.hf_part is not None:  # a part of a fused tensor: read only that part
             t = self._part(ent)
             if ent.transpose:
-                _transpose_into(slot, t)
+                transpose_into(slot, t)
             else:
                 slot[...] = t
         elif not ent.transpose and self.reader.dtype(ent.hf_name) == out.dtype != FP8:
@@ -188,7 +209,7 @@ class HfTensorSource(Source):
         else:
             t = self.tensor(ent.hf_name)
             if ent.transpose:
-                _transpose_into(out[ent.index], t)
+                transpose_into(out[ent.index], t)
             else:
                 out[ent.index] = t
 
@@ -333,10 +354,26 @@ class HfTensorSink(Sink):
     def _writer(self, cfg: Config, dtypes: dict, plan: list) -> PartWriter:
         raise NotImplementedError
 
+    raw_names = "hf"
+
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
+        """Where the leaf's HF tensors go in the pre-sized files (None for fused parts)."""
+        out = {}
+        for ent in self.groups[key]:
+            p = self.writer.planned[ent.hf_name]
+            if ent.hf_part is not None or p.written:
+                return None
+            out[ent.hf_name] = RawTensor(p.file, p.offset, p.nbytes, p.dtype, p.shape)
+        return out
+
+    def raw_written(self, key: str) -> None:
+        for ent in self.groups[key]:
+            self.writer.planned[ent.hf_name].written = True
+
     def write_leaf(self, key: str, arr) -> None:
         for ent in self.groups[key]:
             t = arr[ent.index]
-            t = _transposed(t) if ent.transpose else t
+            t = transposed(t) if ent.transpose else t
             if ent.hf_part is None:
                 self.writer.write(ent.hf_name, t)
             else:
@@ -400,4 +437,5 @@ class HfFormat(Format):
                 and not any(p.is_dir() for p in path.iterdir()))
 
 
-__all__ = ["FP8", "HfFormat", "HfSink", "HfSource", "HfTensorSink", "HfTensorSource"]
+__all__ = ["FP8", "HfFormat", "HfSink", "HfSource", "HfTensorSink", "HfTensorSource", "transpose_into",
+           "transposed"]

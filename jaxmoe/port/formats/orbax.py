@@ -215,7 +215,8 @@ class OrbaxSink(Sink):
             buf[...] = arr
             arr = buf
         if isinstance(arr, np.memmap):
-            arr.flush()
+            # no flush (msync): the scratch file is read back through the same page cache and
+            # deleted after the save, so waiting for its bytes to reach the disk only costs time
             release_pages(arr)
             self.files[key] = (Path(arr.filename), arr.shape, arr.dtype, None)
         else:
