@@ -144,6 +144,10 @@ STREAM_CHUNK_BYTES = 4 * 2**20
 # threads while the next are issued (one at a time, a save waited on every 4 MiB write), and
 # memory holds at most this many chunks more (docs/MEASUREMENTS.md, "Conversion at disk speed").
 STREAM_WRITES_IN_FLIGHT = 8
+# Streaming saves also store chunks uncompressed (Orbax's default is zstd level 1): compressing and
+# decompressing cost more CPU per byte than the disk takes time (on the bench's random fp32
+# weights zstd saved ~12% of the bytes). The choice sits in each array's Zarr metadata, so every
+# reader handles either.
 
 
 def _chunk_boxes(shape, chunk):
@@ -170,13 +174,13 @@ def _slab_chunks(shape, itemsize: int, limit: int):
     return (1,) * len(shape)
 
 
-def _zarr_metadata(spec):
-    """The Zarr v2 ``metadata`` dicts (with ``chunks``) inside a TensorStore JSON spec."""
+def _zarr_metadata(spec, field: str = "chunks"):
+    """The Zarr v2 ``metadata`` dicts (with ``field``) inside a TensorStore JSON spec."""
     if isinstance(spec, dict):
-        if isinstance(spec.get("metadata"), dict) and "chunks" in spec["metadata"]:
+        if isinstance(spec.get("metadata"), dict) and field in spec["metadata"]:
             yield spec["metadata"]
         for v in spec.values():
-            yield from _zarr_metadata(v)
+            yield from _zarr_metadata(v, field)
 
 
 class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
@@ -225,6 +229,8 @@ class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
         if value.nbytes > self.chunk_bytes:
             for md in _zarr_metadata(tspec):
                 md["chunks"] = _slab_chunks(value.shape, value.dtype.itemsize, self.chunk_bytes)
+        for md in _zarr_metadata(tspec, "compressor"):
+            md["compressor"] = None  # uncompressed: see STREAM_WRITES_IN_FLIGHT's note
         async with self._lock:
             self.trace.append(("start", 0))
             n = 0

@@ -42,7 +42,7 @@ from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import titan_map
-from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
+from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir, fill_crc32
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into, transposed
 
@@ -311,7 +311,14 @@ class DcpSink(Sink):
         else:
             t = torch.from_numpy(a)
         at = self.file.tell()
-        torch.save(t, self.file)
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)  # torch's CRC-32 is slow: fill_crc32 below
+        try:
+            torch.save(t, self.file)
+        finally:
+            torch.serialization.set_crc32_options(crc)
+        self.file.flush()
+        fill_crc32(self.target / DATA_FILE, at, self.file.tell() - at)
         self.written[name] = (tuple(a.shape), t.dtype, at, self.file.tell() - at)
 
     def finish(self) -> None:
