@@ -45,6 +45,7 @@ from jaxmoe.port import titan_map
 from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir, fill_crc32
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into, transposed
+from jaxmoe.port.safetensors_io import start_writeback
 
 # --------------------------------------------------------------------------------------------
 # The source
@@ -319,6 +320,7 @@ class DcpSink(Sink):
             torch.serialization.set_crc32_options(crc)
         self.file.flush()
         fill_crc32(self.target / DATA_FILE, at, self.file.tell() - at)
+        start_writeback(self.file.fileno(), at, self.file.tell() - at)
         self.written[name] = (tuple(a.shape), t.dtype, at, self.file.tell() - at)
 
     def finish(self) -> None:

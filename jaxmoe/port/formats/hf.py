@@ -42,6 +42,7 @@ from jaxmoe.port.safetensors_io import (
     SafetensorsWriter,
     dequantize_fp8,
     parse_size,
+    start_writeback,
 )
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -320,6 +321,7 @@ class PartWriter(SafetensorsWriter):
                 at, view, done = p.offset + (i * p.shape[dim] + start) * inner, memoryview(run), 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], at + done)
+                start_writeback(fd, at, len(view))
         finally:
             os.close(fd)
         got.append((start, stop))

@@ -215,8 +215,7 @@ class OrbaxSink(Sink):
             buf[...] = arr
             arr = buf
         if isinstance(arr, np.memmap):
-            # no flush (msync): the scratch file is read back through the same page cache and
-            # deleted after the save, so waiting for its bytes to reach the disk only costs time
+            arr.flush()
             release_pages(arr)
             self.files[key] = (Path(arr.filename), arr.shape, arr.dtype, None)
         else:
