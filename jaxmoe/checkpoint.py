@@ -141,9 +141,10 @@ def release_pages(arr) -> None:
 # chunks: hf -> orbax peak 585 vs 298 MB for 134 vs 17 MB leaves; tests/test_convert_memory.py).
 STREAM_CHUNK_BYTES = 4 * 2**20
 # Chunk writes of one leaf in flight at once: TensorStore encodes and writes them on its own
-# threads while the next are issued (one at a time, a save waited on every 4 MiB write), and
-# memory holds at most this many chunks more (docs/MEASUREMENTS.md, "Conversion at disk speed").
-STREAM_WRITES_IN_FLIGHT = 8
+# threads while the next are issued (one at a time, a save waited on every 4 MiB write). More in
+# flight let TensorStore hold more written data: with 8, tests/test_port_io.py's 64 MiB leaf in
+# 1 MiB chunks grew peak RSS by 27-48 MiB (its bound: 24), with 4 it passes.
+STREAM_WRITES_IN_FLIGHT = 4
 # Streaming saves also store chunks uncompressed (Orbax's default is zstd level 1): compressing and
 # decompressing cost more CPU per byte than the disk takes time (on the bench's random fp32
 # weights zstd saved ~12% of the bytes). The choice sits in each array's Zarr metadata, so every

@@ -67,8 +67,12 @@ def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
 
 
 def transposed(src: np.ndarray, dtype=None) -> np.ndarray:
-    """A contiguous copy of ``src`` with its last two axes swapped (``src.T`` for 2-D; a fused
-    ``[E, a, b]`` -> ``[E, b, a]``), optionally cast, made with :func:`transpose_into`."""
+    """``src`` with its last two axes swapped (``src.T`` for 2-D; a fused ``[E, a, b]`` ->
+    ``[E, b, a]``) as a C-contiguous array, optionally cast: a copy made with
+    :func:`transpose_into`, or ``src``'s own memory when ``src`` is a transposed view of it."""
+    back = np.swapaxes(src, -1, -2)
+    if back.flags.c_contiguous and (dtype is None or np.dtype(dtype) == src.dtype):
+        return back  # src is itself a transposed view (HfLeafView): no bytes to move
     out = np.empty(src.shape[:-2] + (src.shape[-1], src.shape[-2]), dtype or src.dtype)
     transpose_into(out, src)
     return out
@@ -226,6 +230,15 @@ class HfTensorSource(Source):
                               shape=info.shape)
         return whole[(slice(None),) * dim + (slice(start, stop),)]
 
+    def leaf_view(self, key: str, dtype=None):
+        """The leaf as a :class:`HfLeafView` (one layer's tensors in memory at a time) where its
+        tensors allow (per-expert / unfused, not FP8, one transpose flag); else read whole."""
+        ents = self.groups[key]
+        if (not ents[0].index or len({e.transpose for e in ents}) != 1
+                or any(e.hf_part is not None or self.reader.dtype(e.hf_name) == FP8 for e in ents)):
+            return self.read_leaf(key, dtype)
+        return HfLeafView(self, key, np.dtype(dtype or self.leaf_dtype(key)))
+
     def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
         """The first ``n`` rows of a layer-stack leaf (all of a global leaf): only the HF
         tensors of those layers are read (a truncated model, ``--verify-layers``)."""
@@ -243,6 +256,55 @@ class HfTensorSource(Source):
         if "fused" in self.layouts.values():  # torch_ref reads the per-expert names only
             return None
         return {name: info.file for name, info in self.reader.infos.items()}
+
+
+class HfLeafView:
+    """A stacked leaf of an :class:`HfTensorSource` read one layer at a time.
+
+    ``view[index]`` (``index`` over the leading axes, layer first) reads the HF tensors of that
+    layer into one block, kept while the next index is in the same layer. The block is in the HF
+    orientation: a tensor jaxmoe stores transposed is read straight into its slot (no transpose,
+    no temporary) and handed out as a transposed *view*; a sink that writes the HF (or
+    torchtitan) orientation then transposes it back without moving bytes, or copies it once.
+    """
+
+    def __init__(self, src: HfTensorSource, key: str, dtype: np.dtype):
+        self.src, self.key, self.dtype = src, key, dtype
+        self.shape = tuple(src.shapes[key])
+        self.ndim = len(self.shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
+        self.ents = src.groups[key]
+        self.transpose = self.ents[0].transpose
+        self._layer: int | None = None
+        self._block: np.ndarray | None = None
+
+    def _read_layer(self, layer: int) -> np.ndarray:
+        rest = self.shape[1:]
+        if self.transpose:
+            rest = rest[:-2] + (rest[-1], rest[-2])
+        self._block = None  # free the previous layer first
+        block = np.empty(rest, self.dtype)
+        reader = self.src.reader
+        for ent in self.ents:
+            if ent.index[0] != layer:
+                continue
+            slot = block[ent.index[1:]]
+            if reader.dtype(ent.hf_name) == self.dtype and slot.flags.c_contiguous:
+                reader.read_into(ent.hf_name, slot)
+            else:
+                slot[...] = reader.get(ent.hf_name)
+        return block
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        if not index or not all(isinstance(i, (int, np.integer)) for i in index):
+            raise TypeError("HfLeafView takes integer indices over the leading axes")
+        layer = int(index[0])
+        if self._layer != layer:
+            self._block = self._read_layer(layer)
+            self._layer = layer
+        block = np.swapaxes(self._block, -1, -2) if self.transpose else self._block
+        return block[tuple(int(i) for i in index[1:])]
 
 
 class HfSource(HfTensorSource):
@@ -439,5 +501,5 @@ class HfFormat(Format):
                 and not any(p.is_dir() for p in path.iterdir()))
 
 
-__all__ = ["FP8", "HfFormat", "HfSink", "HfSource", "HfTensorSink", "HfTensorSource", "transpose_into",
+__all__ = ["FP8", "HfFormat", "HfLeafView", "HfSink", "HfSource", "HfTensorSink", "HfTensorSource", "transpose_into",
            "transposed"]
