@@ -51,11 +51,9 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int | None = None) -> None:
     """``dst[...] = src`` with its last two dims swapped (2-D: the transpose), in column tiles.
 
-    Each tile is ``tile`` columns of ``dst`` (default: one 64-byte cache line of ``dst``'s
-    dtype, 16 fp32 / 32 bf16 values) and as many contiguous rows of ``src``: both sides stay in
-    cache, where a plain ``dst[...] = src.T`` walks one side with a large stride (measured:
-    docs/MEASUREMENTS.md, "Conversion at disk speed": 5.0 GB/s fp32 with 16 columns, 1.8 with
-    128, 1.2 plain). Stacked ``[..., a, b]`` arrays (the fused layout's ``[E, ...]``) go matrix
+    A tile is ``tile`` columns of ``dst`` (default one 64-byte cache line: 16 fp32 / 32 bf16)
+    and as many rows of ``src``: both stay in cache, where ``dst[...] = src.T`` strides (5.0 vs
+    1.2 GB/s fp32; docs/MEASUREMENTS.md, "Conversion at disk speed"). Stacked arrays go matrix
     by matrix.
     """
     if tile is None:
@@ -75,9 +73,9 @@ def transposed(src: np.ndarray, dtype=None) -> np.ndarray:
     """``src`` with its last two axes swapped (``src.T`` for 2-D; a fused ``[E, a, b]`` ->
     ``[E, b, a]``) as a C-contiguous array, optionally cast: a copy made with
     :func:`transpose_into`, or ``src``'s own memory when ``src`` is a transposed view of it."""
-    back = np.swapaxes(src, -1, -2)
+    back = np.swapaxes(src, -1, -2)  # src a transposed view (HfLeafView): no bytes to move
     if back.flags.c_contiguous and (dtype is None or np.dtype(dtype) == src.dtype):
-        return back  # src is itself a transposed view (HfLeafView): no bytes to move
+        return back
     out = np.empty(src.shape[:-2] + (src.shape[-1], src.shape[-2]), dtype or src.dtype)
     transpose_into(out, src)
     return out
@@ -161,8 +159,7 @@ class HfTensorSource(Source):
     def keys(self) -> list[str]:
         return list(self.groups)
 
-    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
-        """The leaf's HF tensors as stored, unless one is a part of a fused tensor or FP8."""
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:  # None for fused / FP8
         out = {}
         for ent in self.groups[key]:
             info = self.reader.infos[ent.hf_name]
@@ -236,8 +233,7 @@ class HfTensorSource(Source):
         return whole[(slice(None),) * dim + (slice(start, stop),)]
 
     def leaf_view(self, key: str, dtype=None):
-        """The leaf as a :class:`HfLeafView` (one layer's tensors in memory at a time) where its
-        tensors allow (per-expert / unfused, not FP8, one transpose flag); else read whole."""
+        """A :class:`HfLeafView` (unfused, not FP8, one transpose flag), else the whole leaf."""
         ents = self.groups[key]
         if (not ents[0].index or len({e.transpose for e in ents}) != 1
                 or any(e.hf_part is not None or self.reader.dtype(e.hf_name) == FP8 for e in ents)):
@@ -264,24 +260,19 @@ class HfTensorSource(Source):
 
 
 class HfLeafView:
-    """A stacked leaf of an :class:`HfTensorSource` read one layer at a time.
-
-    ``view[index]`` (``index`` over the leading axes, layer first) reads the HF tensors of that
-    layer into one block, kept while the next index is in the same layer. The block is in the HF
-    orientation: a tensor jaxmoe stores transposed is read straight into its slot (no transpose,
-    no temporary) and handed out as a transposed *view*; a sink that writes the HF (or
-    torchtitan) orientation then transposes it back without moving bytes, or copies it once.
-    """
+    """A stacked leaf of an :class:`HfTensorSource` read one layer at a time: ``view[index]``
+    (layer first) reads that layer's HF tensors into one block, kept for the next index in the
+    layer, in the HF orientation (each tensor read straight into its slot) and handed out as a
+    transposed *view* where jaxmoe transposes: a sink writing the HF / torchtitan orientation
+    takes it back without moving bytes (:func:`transposed`)."""
 
     def __init__(self, src: HfTensorSource, key: str, dtype: np.dtype):
         self.src, self.key, self.dtype = src, key, dtype
         self.shape = tuple(src.shapes[key])
         self.ndim = len(self.shape)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
-        self.ents = src.groups[key]
-        self.transpose = self.ents[0].transpose
-        self._layer: int | None = None
-        self._block: np.ndarray | None = None
+        self.ents, self.transpose = src.groups[key], src.groups[key][0].transpose
+        self._layer, self._block = None, None
 
     def _read_layer(self, layer: int) -> np.ndarray:
         rest = self.shape[1:]
@@ -425,8 +416,7 @@ class HfTensorSink(Sink):
 
     raw_names = "hf"
 
-    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
-        """Where the leaf's HF tensors go in the pre-sized files (None for fused parts)."""
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:  # None for fused parts
         out = {}
         for ent in self.groups[key]:
             p = self.writer.planned[ent.hf_name]
