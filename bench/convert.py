@@ -1,25 +1,31 @@
-"""Checkpoint conversion throughput and peak memory on a multi-GB synthetic checkpoint.
+"""Checkpoint conversion throughput, as a fraction of the disk's, and peak memory.
 
-    python bench/convert.py [--gb 2] [--experts 64] [--keep DIR]
+    python bench/convert.py [--gb 2] [--experts 64] [--disk-gb 2] [--keep DIR] [--only ROUTE ...]
 
-1. Builds a Qwen3-MoE-layout config whose fp32 weights total about ``--gb`` GB (the layer count
-   is scaled to hit the size) and writes a random HF checkpoint for it (sharded at 1GB, one tensor
-   in memory at a time) into a temporary directory.
-2. Runs each conversion in a fresh subprocess (``jaxmoe convert``) and reads that process's own
-   peak RSS at its exit:
-   hf -> torch, torch -> hf (sharded), hf -> orbax and orbax -> hf when the Orbax checkpoint module
-   is present. An empty child (imports only) gives the baseline RSS. (The child reads ``VmHWM``
-   from /proc/self/status: ``getrusage``'s ``ru_maxrss`` survives ``exec`` on Linux and would
-   report the parent's peak.)
-   With torch installed, hf -> dcp (a torchtitan DCP step) and dcp -> hf (the model named by
-   ``--titan`` with the config's .toml); with transformers too, ``hf -> orbax --verify
-   --verify-layers 1``.
-3. Prints MB/s and peak RSS next to the model size, the largest leaf (a stacked expert weight
-   ``[Lm, E, D, I]``) and the largest *per-layer* tensor (one layer's slice of a stacked leaf,
-   ``[E, D, I]``): peak RSS above the baseline is reported in units of that per-layer tensor,
-   which is what bounded memory means here (orbax leaves are read one Zarr chunk at a time).
-   Checks the final HF copies are bit-identical to the original. The temporary directory is
-   removed at the end (unless ``--keep``).
+1. Measures the disk under the bench's temporary directory in the same run: a ``--disk-gb`` file
+   written sequentially with ``O_DIRECT`` (64 MiB blocks from a page-aligned buffer, then one
+   ``fsync``) and read back with ``O_DIRECT``. Direct I/O bypasses the page cache, so neither number
+   is the cache's speed, whatever the file size and free memory (``dd oflag=direct`` /
+   ``iflag=direct`` measure the same; Python keeps the bench dependency-free and in one process).
+   "disk" below is the smaller of the two: a conversion reads and writes the same bytes.
+2. Builds a Qwen3-MoE-layout config whose fp32 weights total about ``--gb`` GB (the layer count
+   is scaled to hit the size) and writes a random HF checkpoint for it (sharded at 1GB).
+3. Runs each conversion route in a fresh subprocess (``jaxmoe convert``); the route's time counts
+   from after the imports every conversion needs (jaxmoe, jax, Orbax; torch for ``dcp:`` is
+   imported inside the timing) until its output is on disk: the child's conversion, then an
+   ``fsync`` of every file it wrote (a conversion that already synced makes that free; one that
+   did not pays its writeback there, so every route is timed to durable bytes). Before each
+   route the source's files are ``fsync``'d and dropped from the page cache
+   (``posix_fadvise(DONTNEED)``, which needs no root), so the source is read from disk. The
+   child reports its own peak RSS (``VmHWM``: ``getrusage``'s ``ru_maxrss`` survives ``exec``).
+   Routes: hf -> torch, torch -> hf (1GB shards), hf -> orbax, orbax -> hf, hf -> dcp,
+   dcp -> hf, dcp -> orbax, orbax -> dcp (dcp needs torch), and with transformers
+   ``hf -> orbax --verify --verify-layers 1`` (not a throughput route: it also runs two models).
+4. Prints each route's MB/s (model bytes / seconds) and its ratio to the disk, peak RSS next to
+   the largest leaf (a stacked expert weight ``[Lm, E, D, I]``) and the largest per-layer tensor
+   (one layer's slice, ``[E, D, I]``), and checks the HF copies are bit-identical to the
+   original. Outputs no later route reads are removed as soon as they are checked; the
+   temporary directory is removed at the end (unless ``--keep``).
 
 Figures are reported, never asserted.
 """
@@ -41,11 +47,10 @@ import numpy as np
 CHILD = r"""
 import json, sys, time
 argv = json.loads(sys.argv[1])
+import jaxmoe.checkpoint, jaxmoe.cli, jaxmoe.port.convert  # noqa: E401,F401 (what every route imports)
 t0 = time.perf_counter()
 rc = 0
-if argv == ["--imports"]:  # the baseline: what a conversion imports, nothing run
-    import jaxmoe.checkpoint, jaxmoe.cli, jaxmoe.port.convert  # noqa: E401,F401
-elif argv:
+if argv:
     from jaxmoe.cli import main
     rc = main(argv)
 secs = time.perf_counter() - t0
@@ -54,6 +59,72 @@ secs = time.perf_counter() - t0
 rss = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
 print("BENCH " + json.dumps({"rc": rc, "seconds": secs, "peak_rss": rss}))
 """
+
+BLOCK = 64 * 2**20
+
+
+def disk_bandwidth(where: Path, nbytes: int) -> tuple[float, float]:
+    """(read, write) bytes/s of sequential ``O_DIRECT`` I/O on a ``nbytes`` file in ``where``."""
+    import mmap
+
+    buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
+    buf.write(np.random.default_rng(1).integers(0, 255, BLOCK, dtype=np.uint8).tobytes())
+    n = max(1, nbytes // BLOCK)
+    path = where / "disk-probe.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            os.write(fd, buf)
+        os.fsync(fd)
+        write = n * BLOCK / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t0 = time.perf_counter()
+        got = 0
+        while True:
+            k = os.readv(fd, [buf])
+            got += k
+            if k < BLOCK:
+                break
+        read = got / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return read, write
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return [f for f in path.rglob("*") if f.is_file() and not f.is_symlink()]
+
+
+def drop_cache(path: Path) -> None:
+    """Write ``path``'s files back and drop them from the page cache (no root needed)."""
+    for f in _files(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: Path) -> float:
+    """fsync every file under ``path`` and the folders holding them; the seconds it took."""
+    t0 = time.perf_counter()
+    todo = _files(path) + ([path, *(d for d in path.rglob("*") if d.is_dir())] if path.is_dir()
+                           else [path.parent])
+    for f in todo:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
 
 
 def bench_config(gb: float, experts: int = 64):
@@ -115,7 +186,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=2.0, help="approximate checkpoint size (fp32)")
     ap.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer")
+    ap.add_argument("--disk-gb", type=float, default=2.0, help="size of the direct-I/O disk probe")
     ap.add_argument("--keep", help="work in this directory and keep it")
+    ap.add_argument("--only", nargs="*", help="run only routes whose name starts with one of these")
     args = ap.parse_args()
 
     from jaxmoe.counting import count_params
@@ -132,6 +205,10 @@ def main() -> None:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="jaxmoe-bench-convert-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
+        rd, wr = disk_bandwidth(work, int(args.disk_gb * 1e9))
+        disk = min(rd, wr)
+        print(f"disk ({work}, O_DIRECT, {args.disk_gb:g} GB, 64 MiB blocks): read "
+              f"{rd / 1e6:.0f} MB/s, write {wr / 1e6:.0f} MB/s; 'disk' = {disk / 1e6:.0f} MB/s")
         t0 = time.perf_counter()
         size = write_synthetic_hf(cfg, work / "hf")
         print(f"config: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
@@ -143,44 +220,61 @@ def main() -> None:
               f"{max(int(np.prod(e.hf_shape)) for e in hf_map.entries(cfg)) * 4 / 1e6:.1f} MB; "
               f"largest per-layer tensor: {layer_key}[i] {list(shapes[layer_key][1:])} = "
               f"{per_layer / 1e6:.0f} MB")
-        base = run_child(["--imports"])
+        base = run_child([])
         print(f"baseline child RSS (python + jaxmoe, jax, Orbax imports): "
-              f"{base['peak_rss'] / 1e6:.0f} MB (--verify also imports torch + transformers)")
-        steps = [("hf -> torch", ["--from", f"hf:{work}/hf", "--to", f"torch:{work}/m.safetensors"]),
-                 ("torch -> hf (1GB shards)", ["--from", f"torch:{work}/m.safetensors", "--to",
-                                               f"hf:{work}/hf2", "--shard-size", "1GB"])]
-        try:
-            import jaxmoe.checkpoint  # noqa: F401
-
-            steps += [("hf -> orbax", ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run"]),
-                      ("orbax -> hf", ["--from", f"orbax:{work}/run", "--to", f"hf:{work}/hf3"])]
-        except ImportError:
-            print("(jaxmoe.checkpoint not present: orbax steps skipped)")
+              f"{base['peak_rss'] / 1e6:.0f} MB (dcp routes also import torch, --verify "
+              "transformers)")
         import importlib.util
 
-        if importlib.util.find_spec("torch"):
+        has_torch = importlib.util.find_spec("torch") is not None
+        if has_torch:
             from jaxmoe.config import config_to_toml
 
             (work / "model.toml").write_text(config_to_toml(cfg))
-            steps += [("hf -> dcp", ["--from", f"hf:{work}/hf", "--to", f"dcp:{work}/dcp"]),
-                      ("dcp -> hf", ["--from", f"dcp:{work}/dcp", "--titan", f"{work}/model.toml",
-                                     "--to", f"hf:{work}/hf4"])]
-        if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
-            steps.append(("hf -> orbax --verify-layers 1",
+        titan = ["--titan", f"{work}/model.toml"]
+        # (name, source path, argv, output, kept for a later route)
+        steps = [("hf -> torch", "hf", ["--from", f"hf:{work}/hf", "--to", f"torch:{work}/m.safetensors"],
+                  "m.safetensors"),
+                 ("torch -> hf (1GB shards)", "m.safetensors",
+                  ["--from", f"torch:{work}/m.safetensors", "--to", f"hf:{work}/hf2",
+                   "--shard-size", "1GB"], "hf2"),
+                 ("hf -> orbax", "hf", ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run"], "run"),
+                 ("orbax -> hf", "run", ["--from", f"orbax:{work}/run", "--to", f"hf:{work}/hf3"],
+                  "hf3")]
+        if has_torch:
+            steps += [("hf -> dcp", "hf", ["--from", f"hf:{work}/hf", "--to", f"dcp:{work}/dcp"], "dcp"),
+                      ("dcp -> hf", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
+                                            f"hf:{work}/hf4"], "hf4"),
+                      ("dcp -> orbax", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
+                                               f"orbax:{work}/run4"], "run4"),
+                      ("orbax -> dcp", "run", ["--from", f"orbax:{work}/run", "--to",
+                                               f"dcp:{work}/dcp2"], "dcp2")]
+        if has_torch and importlib.util.find_spec("transformers"):
+            steps.append(("hf -> orbax --verify-layers 1", "hf",
                           ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run2", "--verify",
-                           "--verify-layers", "1"]))
-        print(f"{'step':32s} {'seconds':>8s} {'MB/s':>8s} {'peak RSS MB':>12s} "
-              f"{'RSS / largest leaf':>19s} {'(RSS-base) / per-layer':>23s}")
-        for name, argv in steps:
+                           "--verify-layers", "1"], "run2"))
+        if args.only:
+            steps = [s for s in steps if any(s[0].startswith(o) for o in args.only)]
+        print(f"{'route':30s} {'seconds':>8s} {'(fsync)':>8s} {'MB/s':>6s} {'x disk':>7s} "
+              f"{'peak RSS MB':>12s} {'RSS/leaf':>9s} {'(RSS-base)/per-layer':>21s}")
+        for i, (name, src, argv, out) in enumerate(steps):
+            if not (work / src).exists():
+                print(f"{name:30s} (skipped: {src} was not made)")
+                continue
+            drop_cache(work / src)
             r = run_child(["convert", *argv])
-            print(f"{name:32s} {r['seconds']:8.2f} {size / 1e6 / r['seconds']:8.0f} "
-                  f"{r['peak_rss'] / 1e6:12.0f} {r['peak_rss'] / big:19.2f} "
-                  f"{(r['peak_rss'] - base['peak_rss']) / per_layer:23.2f}")
-        print("hf -> torch -> hf bit-exact:", same_hf(work / "hf", work / "hf2"))
-        if (work / "hf3").exists():
-            print("hf -> orbax -> hf bit-exact:", same_hf(work / "hf", work / "hf3"))
-        if (work / "hf4").exists():
-            print("hf -> dcp -> hf bit-exact:", same_hf(work / "hf", work / "hf4"))
+            sync = fsync_tree(work / out)
+            secs = r["seconds"] + sync
+            mbs = size / 1e6 / secs
+            print(f"{name:30s} {secs:8.2f} {sync:8.2f} {mbs:6.0f} {mbs * 1e6 / disk:7.2f} "
+                  f"{r['peak_rss'] / 1e6:12.0f} {r['peak_rss'] / big:9.2f} "
+                  f"{(r['peak_rss'] - base['peak_rss']) / per_layer:21.2f}", flush=True)
+            if out.startswith("hf") and out != "hf":
+                print(f"  hf -> ... -> {out} bit-exact: {same_hf(work / 'hf', work / out)}")
+            later = {s[1] for s in steps[i + 1:]}
+            if out not in later and not args.keep:
+                path = work / out
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

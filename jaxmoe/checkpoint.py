@@ -122,41 +122,39 @@ def _file_mapping(arr) -> mmap.mmap | None:
 
 
 def release_pages(arr) -> None:
-    """Drop the resident pages of a file-backed numpy array from this process.
+    """Drop the resident pages of a file-backed numpy array from this process (no-op for others).
 
-    Pages of a shared file mapping that this process has touched count in its RSS (and so in
-    its peak RSS, ``VmHWM``) until they are unmapped. ``MADV_DONTNEED`` unmaps them: the data
-    stays in the file (and the kernel's page cache, which is not process memory) and is read
-    back on the next access. No-op for arrays that are not file-backed.
+    Touched pages of a shared file mapping count in RSS (and ``VmHWM``) until unmapped;
+    ``MADV_DONTNEED`` unmaps them (the data stays in the file / page cache, read back on access).
     """
     mm = _file_mapping(arr)
     if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
         mm.madvise(mmap.MADV_DONTNEED)
 
 
-# Streaming saves cut numpy leaves into contiguous Zarr chunks of at most this many bytes
-# (Orbax's own default is one chunk per leaf up to 2 GiB) and write them one chunk at a time.
-# A chunk is also what a partial read decodes (jaxmoe.port.orbax_read), and TensorStore keeps some
-# written chunks resident until a save commits: 4 MiB keeps both small next to any leaf (64 MiB
-# chunks: hf -> orbax peak 585 vs 298 MB for 134 vs 17 MB leaves; tests/test_convert_memory.py).
+# Streaming saves cut numpy leaves into contiguous Zarr chunks of at most this many bytes (Orbax:
+# one chunk per leaf up to 2 GiB). A chunk is what a partial read decodes (port/orbax_read), and
+# TensorStore keeps written chunks resident until a save commits: 4 MiB keeps both small (64 MiB:
+# hf -> orbax peak 585 vs 298 MB for 134 vs 17 MB leaves; tests/test_convert_memory.py).
 STREAM_CHUNK_BYTES = 4 * 2**20
-
+# Chunk writes in flight (TensorStore writes while the next are issued; 8 broke test_port_io's RSS
+# bound), stored uncompressed (zstd-1: CPU on both sides for ~12% of the bytes). Measured:
+# docs/MEASUREMENTS.md, "Conversion at disk speed".
+STREAM_WRITES_IN_FLIGHT = 4
 
 def _chunk_boxes(shape, chunk):
-    """Index tuples of the chunk grid of an array of ``shape`` (C order)."""
+    """Index tuples of the chunk grid of an array of ``shape`` (C order; edge chunks clipped to
+    the array: TensorStore rejects out-of-bounds boxes)."""
     grid = [range(0, n, max(c, 1)) for n, c in zip(shape, chunk)]
     for starts in np.ndindex(*[len(g) for g in grid]):
-        # edge chunks are clipped to the array (TensorStore rejects out-of-bounds boxes)
         yield tuple(slice(g[i], min(g[i] + c, n))
                     for g, i, c, n in zip(grid, starts, chunk, shape))
 
 
 def _slab_chunks(shape, itemsize: int, limit: int):
-    """A chunk shape of at most ``limit`` bytes that is one contiguous run in C order.
-
-    E.g. ``[4, 64, 1024, 512]`` fp32 with 64 MiB -> ``[1, 32, 1024, 512]``: whole trailing
-    dims, split only along the leading ones.
-    """
+    """A chunk shape of at most ``limit`` bytes that is one contiguous run in C order: whole
+    trailing dims, split only along the leading ones (``[4, 64, 1024, 512]`` fp32, 64 MiB ->
+    ``[1, 32, 1024, 512]``)."""
     shape = tuple(max(int(n), 1) for n in shape)
     for axis in range(len(shape)):
         trailing = int(np.prod(shape[axis + 1:], dtype=np.int64)) * itemsize
@@ -166,13 +164,13 @@ def _slab_chunks(shape, itemsize: int, limit: int):
     return (1,) * len(shape)
 
 
-def _zarr_metadata(spec):
-    """The Zarr v2 ``metadata`` dicts (with ``chunks``) inside a TensorStore JSON spec."""
+def _zarr_metadata(spec, field: str = "chunks"):
+    """The Zarr v2 ``metadata`` dicts (with ``field``) inside a TensorStore JSON spec."""
     if isinstance(spec, dict):
-        if isinstance(spec.get("metadata"), dict) and "chunks" in spec["metadata"]:
+        if isinstance(spec.get("metadata"), dict) and field in spec["metadata"]:
             yield spec["metadata"]
         for v in spec.values():
-            yield from _zarr_metadata(v)
+            yield from _zarr_metadata(v, field)
 
 
 class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
@@ -186,22 +184,21 @@ class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
       caller keeps the arrays unchanged until the save is committed, which
       :func:`save_model` does (it blocks);
     * the stock handler starts every leaf's write at once; here a lock makes them run one
-      after another, each leaf chunk by chunk, and after each chunk the leaf's file-backed
-      pages are dropped (:func:`release_pages`);
+      after another, each leaf chunk by chunk (:data:`STREAM_WRITES_IN_FLIGHT` chunks in
+      flight), and as each chunk completes the leaf's file-backed pages are dropped
+      (:func:`release_pages`);
     * leaves over :data:`STREAM_CHUNK_BYTES` get Zarr chunks that split only the leading axes
       (:func:`_slab_chunks`), so a chunk is one contiguous byte range of the leaf. Orbax's
       own choice (``SaveArgs.chunk_byte_size``) splits the largest axis first, e.g. the
       ``D`` axis of ``[L, E, D, I]``; such a chunk is strided over the whole leaf and reading
       it through an ``mmap`` faulted in 434 MB of a 537 MB leaf for a 64 MB chunk (the kernel
-      maps whole large folios). The chunk shape is recorded in the array's own Zarr metadata
-      (Orbax's ``_METADATA`` does not store it), so every reader handles it. (Written as one
-      537 MB chunk per leaf, TensorStore also kept ~474 MB of encoded data per leaf until the
-      save ended; with 64 MiB chunks written one by one it does not.)
+      maps whole large folios). The chunk shape (and no compressor) is recorded in the array's
+      own Zarr metadata, so every reader handles it. (As one 537 MB chunk per leaf, TensorStore
+      also kept ~474 MB of encoded data per leaf until the save ended.)
 
-    With ``np.memmap`` leaves the process then holds about two chunks at a time instead of the
-    whole tree. Relies on ``NumpyHandler._open_and_write`` (one call per leaf) in
-    orbax-checkpoint 0.12.x; ``tests/test_port.py`` checks that the writes run one at a time
-    in the expected chunks, read back bit-exactly, and that peak RSS grows by less than a leaf.
+    With ``np.memmap`` leaves the process then holds a few chunks, not the tree. Relies on
+    ``NumpyHandler._open_and_write`` (one call per leaf) in orbax-checkpoint 0.12.x; tests check
+    the write order and chunks, bit-exact reads, and that peak RSS grows by less than a leaf.
     """
 
     def __init__(self, chunk_bytes: int | None = None):
@@ -220,16 +217,21 @@ class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
         if value.nbytes > self.chunk_bytes:
             for md in _zarr_metadata(tspec):
                 md["chunks"] = _slab_chunks(value.shape, value.dtype.itemsize, self.chunk_bytes)
+        for md in _zarr_metadata(tspec, "compressor"):
+            md["compressor"] = None  # see STREAM_WRITES_IN_FLIGHT
         async with self._lock:
             self.trace.append(("start", 0))
-            n = 0
-            try:
+            n, pending = 0, []  # pending: up to STREAM_WRITES_IN_FLIGHT chunk writes
+            try:  # (Orbax refuses 0-size arrays before this point)
                 t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
-                # (Orbax refuses 0-size arrays before this point)
                 for box in _chunk_boxes(value.shape, t.chunk_layout.write_chunk.shape):
-                    await t[box].write(value[box], can_reference_source_data_indefinitely=True)
-                    release_pages(value)
+                    pending.append(t[box].write(value[box], can_reference_source_data_indefinitely=True))
                     n += 1
+                    if len(pending) >= STREAM_WRITES_IN_FLIGHT:
+                        await pending.pop(0)
+                        release_pages(value)
+                for w in pending:
+                    await w
             finally:
                 release_pages(value)
                 self.trace.append(("end", n))

@@ -112,3 +112,156 @@ def test_orbax_destination_checks_free_disk_first(tmp_path, monkeypatch, capsys)
     err = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
     assert rc == 2 and len(err) == 1 and "not enough free disk" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing left behind
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion at disk speed: raw byte copies, their failure, fsync once per file
+# --------------------------------------------------------------------------------------------
+
+
+def _ep(text):
+    from jaxmoe.port.formats import parse_endpoint
+
+    return parse_endpoint(text)
+
+
+def _same_tensors(a: Path, b: Path) -> None:
+    from jaxmoe.port.safetensors_io import SafetensorsReader
+
+    ra, rb = SafetensorsReader(a), SafetensorsReader(b)
+    assert sorted(ra.names()) == sorted(rb.names())
+    for n in ra.names():
+        x, y = ra.get(n), rb.get(n)
+        assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), n
+
+
+def test_safetensors_routes_copy_bytes_in_the_kernel_bit_exact(tmp_path):
+    from jaxmoe.port.convert import convert
+
+    cfg = load_config("tiny")
+    _write_hf(cfg, tmp_path / "hf")
+    r1 = convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"torch:{tmp_path}/m.safetensors"), log=lambda m: None)
+    r2 = convert(_ep(f"torch:{tmp_path}/m.safetensors"), _ep(f"hf:{tmp_path}/back"),
+                 log=lambda m: None, shard_size=100_000)
+    for r in (r1, r2):  # every leaf went file to file: same names, dtypes, per-expert layout
+        assert r["bytes_copied"] == r["bytes"] > 0, r
+    assert len(list((tmp_path / "back").glob("model-*.safetensors"))) > 1
+    _same_tensors(tmp_path / "hf", tmp_path / "back")
+    # a cast, or the fused layout, is not a byte copy: those leaves take the array path
+    r3 = convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"hf:{tmp_path}/bf16"), dtype="bfloat16",
+                 log=lambda m: None)
+    r4 = convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"hf:{tmp_path}/fused"), log=lambda m: None,
+                 hf_layout="fused")
+    fp32 = hf_map.fp32_leaves(cfg)  # kept fp32 under --dtype: still copied as they are
+    shapes = hf_map.leaf_shapes(cfg)
+    assert r3["bytes_copied"] == sum(int(np.prod(shapes[k])) * 4 for k in fp32 if k in shapes)
+    assert 0 < r4["bytes_copied"] < r4["bytes"]  # dense leaves copied, expert leaves fused
+    r5 = convert(_ep(f"hf:{tmp_path}/fused"), _ep(f"hf:{tmp_path}/unfused"), log=lambda m: None)
+    _same_tensors(tmp_path / "hf", tmp_path / "unfused")
+    assert r5["bytes_copied"] < r5["bytes"]
+
+
+def test_copy_bytes_falls_back_and_refuses_a_short_source(tmp_path, monkeypatch):
+    from jaxmoe.errors import UserError
+    from jaxmoe.port import safetensors_io
+
+    data = np.arange(300_000, dtype=np.uint8).tobytes()
+    (tmp_path / "src").write_bytes(data)
+
+    def no_copy(*a):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(safetensors_io, "COPY_BLOCK", 4096)  # several pieces
+    for patched in (False, True):
+        (tmp_path / "dst").write_bytes(b"\0" * 400_000)
+        if patched:
+            monkeypatch.setattr(safetensors_io.os, "copy_file_range", no_copy)
+        safetensors_io.copy_bytes(tmp_path / "src", 1000, tmp_path / "dst", 50_000, 250_000)
+        got = (tmp_path / "dst").read_bytes()
+        assert got[50_000:300_000] == data[1000:251_000]
+        assert got[:50_000] == b"\0" * 50_000 and got[300_000:] == b"\0" * 100_000
+        with pytest.raises(UserError, match="truncated"):
+            safetensors_io.copy_bytes(tmp_path / "src", 200_000, tmp_path / "dst", 0, 150_000)
+
+
+def test_a_failing_copy_thread_leaves_nothing_written(tmp_path, monkeypatch):
+    from jaxmoe.port import convert as conv
+
+    _write_hf(load_config("tiny"), tmp_path / "hf")
+    calls = []
+    real = conv.copy_bytes
+
+    def flaky(*a):
+        calls.append(a)
+        if len(calls) == 5:
+            raise OSError(5, "Input/output error")
+        return real(*a)
+
+    monkeypatch.setattr(conv, "copy_bytes", flaky)
+    with pytest.raises(OSError, match="Input/output"):
+        conv.convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"torch:{tmp_path}/m.safetensors"),
+                     log=lambda m: None)
+    assert len(calls) >= 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no output, no temporary
+
+
+def test_conversion_fsyncs_each_file_once(tmp_path, monkeypatch):
+    from jaxmoe.port import convert as conv
+
+    _write_hf(_cfg(4), tmp_path / "hf")
+    synced = []
+    real = os.fsync
+
+    def count(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(conv.os, "fsync", count)
+    r = conv.convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"hf:{tmp_path}/out"), log=lambda m: None,
+                     shard_size=1_000_000)
+    files = sorted(str(f) for f in (tmp_path / "out").iterdir())
+    assert r["tensors"] > len(files) > 3
+    # every file once (under the temporary's name), its folder, and the destination's parent
+    assert len(synced) == len(files) + 2, synced
+    assert sorted(Path(s).name for s in synced[:-2]) == sorted(Path(f).name for f in files)
+    assert synced[-1] == str(tmp_path)
+
+
+def test_dcp_sink_zip_crcs_are_filled_in(tmp_path):
+    """torch.save without its (slow) CRC-32, then fill_crc32: every entry's central-directory
+    and data-descriptor CRC equal zlib's over its bytes, and torch.load reads the tensor."""
+    import struct
+    import zipfile
+    import zlib
+
+    torch = pytest.importorskip("torch")
+    from jaxmoe.port.dcp_io import Window, fill_crc32
+
+    path = tmp_path / "f.bin"
+    t = torch.randn(70, 33)
+    with open(path, "wb") as f:
+        f.write(b"head" * 1001)
+        at = f.tell()
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(t, f)
+        finally:
+            torch.serialization.set_crc32_options(True)
+        n = f.tell() - at
+        f.write(b"tail")
+    fill_crc32(path, at, n)
+    raw = path.read_bytes()
+    z = zipfile.ZipFile(Window(open(path, "rb"), at, n))
+    assert z.testzip() is None and len(z.infolist()) >= 3
+    for info in z.infolist():
+        h = at + info.header_offset
+        name_len, extra_len = struct.unpack("<HH", raw[h + 26:h + 30])
+        data = h + 30 + name_len + extra_len
+        want = zlib.crc32(raw[data:data + info.file_size])
+        assert info.CRC == want, info.filename
+        d = data + info.file_size
+        assert raw[d:d + 4] == b"PK\x07\x08" and struct.unpack("<I", raw[d + 4:d + 8])[0] == want
+    import io
+
+    assert torch.equal(torch.load(io.BytesIO(raw[at:at + n])), t)
+    assert raw[:at] == b"head" * 1001 and raw[at + n:] == b"tail"

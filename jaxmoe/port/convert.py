@@ -15,10 +15,17 @@ How a conversion runs (:func:`convert`):
    ``orbax:`` sink, which also checks free disk first); a sink that takes leaves slice by slice
    (``Sink.takes_views``) gets the source's lazy view (an ``orbax:`` source then reads one
    layer's / expert's slice at a time, one Zarr chunk in memory).
+   Where source and sink store a leaf's tensors as the same plain bytes under the same names
+   (``hf:`` <-> ``torch:``, ``hf:`` -> ``hf:`` resharded, same dtype and expert layout:
+   ``raw_tensors`` of both), the bytes are copied file to file inside the kernel
+   (:func:`~jaxmoe.port.safetensors_io.copy_bytes`, two copies in flight) and never enter this
+   process: a conversion between safetensors files then runs at about the disk's speed.
 3. Carry the non-weight files (tokenizer*, generation_config.json, token ids; see
    :mod:`jaxmoe.port.hf_meta`) from where the source keeps them to where the sink does.
-4. Rename the temporary into place (replacing DST only with ``--force``); on any failure the
-   temporary is removed, so DST is either the complete result or untouched.
+4. ``fsync`` every file written (once per file, not per tensor) and the folders, rename the
+   temporary into place (replacing DST only with ``--force``) and ``fsync`` its parent: DST is
+   then complete on disk, also after a crash. On any failure the temporary is removed, so DST is
+   either the complete result or untouched.
 
 Running checkpoints (``jaxmoe logits``, ``--verify``) is :mod:`jaxmoe.port.logits`; the commands
 are :mod:`jaxmoe.port.cli`.
@@ -31,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +48,10 @@ from jaxmoe.port import hf_map
 from jaxmoe.port.formats import bind_options, open_source, report_fields
 from jaxmoe.port.formats.base import Endpoint
 from jaxmoe.port.hf_meta import meta_files
-from jaxmoe.port.safetensors_io import FLOAT_DTYPES
+from jaxmoe.port.safetensors_io import FLOAT_DTYPES, copy_bytes
+
+#: raw tensor copies in flight at once (kernel copies: no bytes in this process's memory)
+COPY_THREADS = 2
 
 
 def _float_dtype(name: str | None):
@@ -74,6 +85,51 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root`` (or ``root`` itself), then the folders holding them."""
+    dirs = [root] if root.is_dir() else [root.parent]
+    files = [root] if root.is_file() else []
+    if root.is_dir():
+        for d, sub, names in os.walk(root):
+            dirs += [Path(d) / n for n in sub]
+            files += [Path(d) / n for n in names if not (Path(d) / n).is_symlink()]
+    for f in files + dirs:
+        _fsync_one(f)
+
+
+def _fsync_one(path: Path) -> None:
+    """fsync one file or folder (a folder: its entries, e.g. a rename into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_pairs(source, sink, key: str) -> list | None:
+    """(source tensor, sink tensor) byte ranges when leaf ``key`` can be copied as bytes: both
+    sides name the same tensors in the same naming, each with the same dtype and shape."""
+    if source.raw_names is None or source.raw_names != sink.raw_names:
+        return None
+    src, dst = source.raw_tensors(key), sink.raw_tensors(key)
+    if src is None or dst is None or src.keys() != dst.keys():
+        return None
+    pairs = [(src[n], dst[n]) for n in dst]
+    for a, b in pairs:
+        if (a.dtype, tuple(a.shape), a.nbytes) != (b.dtype, tuple(b.shape), b.nbytes):
+            return None
+    return pairs
+
+
+def _copy_raw(pool: ThreadPoolExecutor, pairs) -> int:
+    """Copy the byte ranges of ``pairs`` (in ``pool``); the first failure is raised."""
+    futures = [pool.submit(copy_bytes, a.file, a.offset, b.file, b.offset, a.nbytes)
+               for a, b in pairs]
+    for f in futures:
+        f.result()
+    return sum(a.nbytes for a, _ in pairs)
 
 
 def _out_dtypes(source, default, dtype) -> dict:
@@ -124,11 +180,19 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
     dst.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.path.name}.tmp-", dir=dst.path.parent))
     target = tmp / "out"
-    written = 0
+    written, copied = 0, 0
+    pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="jaxmoe-copy")
     try:
         sink = dst.format.open_sink(dst, target, cfg, dtypes, log)
         sink.use_source(source)
         for key in source.keys():
+            pairs = _raw_pairs(source, sink, key)
+            if pairs is not None:
+                n = _copy_raw(pool, pairs)
+                sink.raw_written(key)
+                written += n
+                copied += n
+                continue
             buf = sink.buffer(key, source.shapes[key], dtypes[key])
             if buf is None and sink.takes_views:
                 # one layer's / expert's slice at a time where the source can, never the whole leaf
@@ -142,10 +206,13 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
         sink.finish()
         source.close()
         carried = sink.carry(meta_files(source.meta_dir, log), log)
+        _fsync_tree(target)
         if dst.path.exists() or dst.path.is_symlink():
             _remove(dst.path)
         os.replace(target, dst.path)
+        _fsync_one(dst.path.parent)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(tmp, ignore_errors=True)
     secs = time.perf_counter() - t0
     return {
@@ -153,7 +220,7 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
         "leaves": len(source.keys()),
         "tensors": sink.tensors,
         **report_fields(dst),
-        "bytes": int(written), "seconds": round(secs, 3),
+        "bytes": int(written), "bytes_copied": int(copied), "seconds": round(secs, 3),
         "mb_per_s": round(written / 1e6 / max(secs, 1e-9), 1),
         "dtype": sorted({str(d) for d in dtypes.values()}), "src_dtype": src_dtypes,
         "notices": source.notices, "carried": carried,

@@ -314,6 +314,7 @@ class SafetensorsWriter:
             done = 0
             while done < p.nbytes:
                 done += os.pwrite(fd, view[done:], p.offset + done)
+            start_writeback(fd, p.offset, p.nbytes)
         finally:
             os.close(fd)
         p.written = True
@@ -322,6 +323,53 @@ class SafetensorsWriter:
         missing = [n for n, p in self.planned.items() if not p.written]
         if missing:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")
+
+
+COPY_BLOCK = 64 * 2**20
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``[offset, offset + nbytes)`` of ``fd`` to disk now, without waiting
+    (``posix_fadvise(DONTNEED)`` queues the range's dirty pages for writeback, then drops the
+    clean ones): the disk writes while the next tensor is read, rather than all at the final
+    ``fsync``, and the written bytes do not pile up in the page cache."""
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):  # not Linux / not supported: the fsync still writes them
+        pass
+
+
+def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``src`` at ``src_offset`` to the existing (pre-sized) ``dst`` at
+    ``dst_offset``, inside the kernel (``copy_file_range``: no copy through this process's
+    memory), or in :data:`COPY_BLOCK` pieces through one buffer where the file system cannot."""
+    fin = os.open(src, os.O_RDONLY)
+    try:
+        fout = os.open(dst, os.O_WRONLY)
+        try:
+            done = 0
+            while done < nbytes:
+                try:
+                    n = os.copy_file_range(fin, fout, min(nbytes - done, 2**30),
+                                           src_offset + done, dst_offset + done)
+                except OSError:  # EXDEV, ENOSYS, EINVAL (e.g. across file systems)
+                    n = 0
+                if n <= 0:
+                    break
+                done += n
+            while done < nbytes:  # fallback (or a short source: caught below)
+                chunk = os.pread(fin, min(nbytes - done, COPY_BLOCK), src_offset + done)
+                if not chunk:
+                    raise UserError(f"{src}: truncated ({nbytes} bytes wanted at {src_offset})")
+                view, k = memoryview(chunk), 0
+                while k < len(view):
+                    k += os.pwrite(fout, view[k:], dst_offset + done + k)
+                done += len(chunk)
+            start_writeback(fout, dst_offset, nbytes)
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
 
 
 def write_tensors(target, tensors: dict, metadata=None, shard_size=None, single_file=False):
@@ -335,6 +383,7 @@ def write_tensors(target, tensors: dict, metadata=None, shard_size=None, single_
 
 
 __all__ = [
-    "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "SafetensorsReader", "SafetensorsWriter",
-    "TensorInfo", "dequantize_fp8", "dtype_tag", "parse_size", "read_header", "write_tensors",
+    "COPY_BLOCK", "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "SafetensorsReader", "SafetensorsWriter",
+    "TensorInfo", "copy_bytes", "dequantize_fp8", "dtype_tag", "parse_size", "read_header",
+    "start_writeback", "write_tensors",
 ]

@@ -159,6 +159,16 @@ class Source:
         as it is; None otherwise."""
         return None
 
+    #: the naming :meth:`raw_tensors` uses (``"hf"``: hub tensor names), or None: none
+    raw_names: ClassVar[str | None] = None
+
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
+        """Where leaf ``key``'s tensors lie as plain bytes in files, by tensor name in the
+        :attr:`raw_names` naming, when the leaf is exactly those tensors unchanged (no cast,
+        no dequantisation); None otherwise. A sink with the same naming that stores the same
+        bytes then gets them copied file to file (:func:`jaxmoe.port.convert.convert`)."""
+        return None
+
     def close(self) -> None:
         """Release what the source holds open."""
 
@@ -167,6 +177,18 @@ class Source:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One tensor stored as plain little-endian C-order bytes: ``nbytes`` at ``offset`` of
+    ``file``, of ``dtype`` and ``shape`` (a safetensors tensor, say)."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
 
 
 class Sink:
@@ -184,6 +206,19 @@ class Sink:
         """An array for the source to read leaf ``key`` into (then pass it to
         :meth:`write_leaf`), or None when the sink takes any array."""
         return None
+
+    #: the naming :meth:`raw_tensors` uses (see :attr:`Source.raw_names`), or None
+    raw_names: ClassVar[str | None] = None
+
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
+        """Where leaf ``key``'s tensors go as plain bytes (pre-sized files), by tensor name,
+        when the sink stores them unchanged; None otherwise. :meth:`raw_written` is called once
+        the bytes are there instead of :meth:`write_leaf`."""
+        return None
+
+    def raw_written(self, key: str) -> None:
+        """Leaf ``key``'s tensors were copied into place as :meth:`raw_tensors` said."""
+        raise NotImplementedError
 
     def write_leaf(self, key: str, arr) -> None:
         raise NotImplementedError
@@ -259,4 +294,5 @@ class Format:
         return False
 
 
-__all__ = ["TITAN_OPTION", "Endpoint", "Format", "Option", "Sink", "Source", "shape_text"]
+__all__ = ["TITAN_OPTION", "Endpoint", "Format", "Option", "RawTensor", "Sink", "Source",
+           "shape_text"]

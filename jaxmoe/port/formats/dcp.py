@@ -42,8 +42,10 @@ from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import titan_map
-from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
+from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir, fill_crc32
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, Sink, Source, shape_text
+from jaxmoe.port.formats.hf import transpose_into, transposed
+from jaxmoe.port.safetensors_io import start_writeback
 
 # --------------------------------------------------------------------------------------------
 # The source
@@ -137,19 +139,22 @@ class DcpSource(Source):
         return dts.pop() if len(dts) == 1 else np.dtype(np.float32)
 
     def _tensor(self, name: str) -> np.ndarray:
-        """One torchtitan tensor; the last is kept (a layer view reads it once for all its slices)."""
+        """One torchtitan tensor; the last is kept (a layer view reads it once for all its slices).
+        A tensor saved as one chunk is a read-only map of its bytes (no copy: the pages are read
+        as a slice is taken), else it is assembled from its chunks."""
         if self._cache is None or self._cache[0] != name:
             self._cache = None
-            self._cache = (name, self.dir.read(name))
+            self._cache = (name, self.dir.view(name))
         return self._cache[1]
 
     def _fill(self, ents, out: np.ndarray) -> np.ndarray:
         for ent in ents:
-            part = titan_map.jax_part(self._tensor(ent.name), ent)
-            if ent.index:
-                out[ent.index] = part
+            t = self._tensor(ent.name)
+            dst = out[ent.index] if ent.index else out
+            if ent.transpose and not ent.qkv:  # tiled: a plain strided copy is ~2x slower
+                transpose_into(dst, t)
             else:
-                out[...] = part
+                dst[...] = titan_map.jax_part(t, ent)
         self._cache = None
         return out
 
@@ -298,13 +303,24 @@ class DcpSink(Sink):
 
     def _write(self, name: str, a: np.ndarray) -> None:
         torch = self.torch
+        a = np.asarray(a)
+        if a.ndim >= 2 and not a.flags.c_contiguous and np.swapaxes(a, -1, -2).flags.c_contiguous:
+            a = transposed(np.swapaxes(a, -1, -2))  # a transposed leaf slice: tiled copy
         a = np.array(a, order="C", copy=not a.flags.c_contiguous)  # ascontiguousarray makes 0-d 1-d
         if a.dtype == DTYPES["bfloat16"]:
             t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         else:
             t = torch.from_numpy(a)
         at = self.file.tell()
-        torch.save(t, self.file)
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)  # torch's CRC-32 is slow: fill_crc32 below
+        try:
+            torch.save(t, self.file)
+        finally:
+            torch.serialization.set_crc32_options(crc)
+        self.file.flush()
+        fill_crc32(self.target / DATA_FILE, at, self.file.tell() - at)
+        start_writeback(self.file.fileno(), at, self.file.tell() - at)
         self.written[name] = (tuple(a.shape), t.dtype, at, self.file.tell() - at)
 
     def finish(self) -> None:

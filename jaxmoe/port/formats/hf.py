@@ -26,28 +26,41 @@ from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import from_hf_config, to_hf_config
 from jaxmoe.port import hf_map
-from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, Sink, Source, shape_text
+from jaxmoe.port.formats.base import (
+    TITAN_OPTION,
+    Endpoint,
+    Format,
+    Option,
+    RawTensor,
+    Sink,
+    Source,
+    shape_text,
+)
 from jaxmoe.port.hf_meta import merge_into_hf_dir
 from jaxmoe.port.safetensors_io import (
     SafetensorsReader,
     SafetensorsWriter,
     dequantize_fp8,
     parse_size,
+    start_writeback,
 )
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
+def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int | None = None) -> None:
     """``dst[...] = src`` with its last two dims swapped (2-D: the transpose), in column tiles.
 
-    Tiles of 128 columns keep both sides in cache, where a plain ``dst[...] = src.T`` walks one
-    side with a large stride (measured: docs/MEASUREMENTS.md, "Conversion throughput"). Stacked
-    ``[..., a, b]`` arrays (the fused layout's ``[E, ...]``) go matrix by matrix.
+    A tile is ``tile`` columns of ``dst`` (default one 64-byte cache line: 16 fp32 / 32 bf16)
+    and as many rows of ``src``: both stay in cache, where ``dst[...] = src.T`` strides (5.0 vs
+    1.2 GB/s fp32; docs/MEASUREMENTS.md, "Conversion at disk speed"). Stacked arrays go matrix
+    by matrix.
     """
+    if tile is None:
+        tile = max(8, 64 // dst.dtype.itemsize)
     if src.ndim > 2:
         for i in range(src.shape[0]):
-            _transpose_into(dst[i], src[i], tile)
+            transpose_into(dst[i], src[i], tile)
         return
     if src.ndim != 2:
         dst[...] = src.T
@@ -56,11 +69,15 @@ def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 128) -> None:
         dst[:, j : j + tile] = src[j : j + tile].T
 
 
-def _transposed(src: np.ndarray, dtype=None) -> np.ndarray:
-    """A contiguous copy of ``src`` with its last two axes swapped (``src.T`` for 2-D; a fused
-    ``[E, a, b]`` -> ``[E, b, a]``), optionally cast, made with :func:`_transpose_into`."""
+def transposed(src: np.ndarray, dtype=None) -> np.ndarray:
+    """``src`` with its last two axes swapped (``src.T`` for 2-D; a fused ``[E, a, b]`` ->
+    ``[E, b, a]``) as a C-contiguous array, optionally cast: a copy made with
+    :func:`transpose_into`, or ``src``'s own memory when ``src`` is a transposed view of it."""
+    back = np.swapaxes(src, -1, -2)  # src a transposed view (HfLeafView): no bytes to move
+    if back.flags.c_contiguous and (dtype is None or np.dtype(dtype) == src.dtype):
+        return back
     out = np.empty(src.shape[:-2] + (src.shape[-1], src.shape[-2]), dtype or src.dtype)
-    _transpose_into(out, src)
+    transpose_into(out, src)
     return out
 
 
@@ -137,8 +154,19 @@ class HfTensorSource(Source):
             self.notices.append(f"note: skipping {layers} ({sum(mtp.values())} tensors): "
                                 "multi-token-prediction layers are not part of jaxmoe")
 
+    raw_names = "hf"
+
     def keys(self) -> list[str]:
         return list(self.groups)
+
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:  # None for fused / FP8
+        out = {}
+        for ent in self.groups[key]:
+            info = self.reader.infos[ent.hf_name]
+            if ent.hf_part is not None or info.dtype == FP8:
+                return None
+            out[ent.hf_name] = RawTensor(info.file, info.offset, info.nbytes, info.dtype, info.shape)
+        return out
 
     def leaf_dtype(self, key: str) -> np.dtype:
         """The dtype the leaf has in the source (float32 after FP8 dequantisation)."""
@@ -180,7 +208,7 @@ class HfTensorSource(Source):
         if ent.hf_part is not None:  # a part of a fused tensor: read only that part
             t = self._part(ent)
             if ent.transpose:
-                _transpose_into(slot, t)
+                transpose_into(slot, t)
             else:
                 slot[...] = t
         elif not ent.transpose and self.reader.dtype(ent.hf_name) == out.dtype != FP8:
@@ -188,7 +216,7 @@ class HfTensorSource(Source):
         else:
             t = self.tensor(ent.hf_name)
             if ent.transpose:
-                _transpose_into(out[ent.index], t)
+                transpose_into(out[ent.index], t)
             else:
                 out[ent.index] = t
 
@@ -203,6 +231,14 @@ class HfTensorSource(Source):
             whole = np.memmap(info.file, dtype=info.dtype, mode="r", offset=info.offset,
                               shape=info.shape)
         return whole[(slice(None),) * dim + (slice(start, stop),)]
+
+    def leaf_view(self, key: str, dtype=None):
+        """A :class:`HfLeafView` (unfused, not FP8, one transpose flag), else the whole leaf."""
+        ents = self.groups[key]
+        if (not ents[0].index or len({e.transpose for e in ents}) != 1
+                or any(e.hf_part is not None or self.reader.dtype(e.hf_name) == FP8 for e in ents)):
+            return self.read_leaf(key, dtype)
+        return HfLeafView(self, key, np.dtype(dtype or self.leaf_dtype(key)))
 
     def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
         """The first ``n`` rows of a layer-stack leaf (all of a global leaf): only the HF
@@ -221,6 +257,50 @@ class HfTensorSource(Source):
         if "fused" in self.layouts.values():  # torch_ref reads the per-expert names only
             return None
         return {name: info.file for name, info in self.reader.infos.items()}
+
+
+class HfLeafView:
+    """A stacked leaf of an :class:`HfTensorSource` read one layer at a time: ``view[index]``
+    (layer first) reads that layer's HF tensors into one block, kept for the next index in the
+    layer, in the HF orientation (each tensor read straight into its slot) and handed out as a
+    transposed *view* where jaxmoe transposes: a sink writing the HF / torchtitan orientation
+    takes it back without moving bytes (:func:`transposed`)."""
+
+    def __init__(self, src: HfTensorSource, key: str, dtype: np.dtype):
+        self.src, self.key, self.dtype = src, key, dtype
+        self.shape = tuple(src.shapes[key])
+        self.ndim = len(self.shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
+        self.ents, self.transpose = src.groups[key], src.groups[key][0].transpose
+        self._layer, self._block = None, None
+
+    def _read_layer(self, layer: int) -> np.ndarray:
+        rest = self.shape[1:]
+        if self.transpose:
+            rest = rest[:-2] + (rest[-1], rest[-2])
+        self._block = None  # free the previous layer first
+        block = np.empty(rest, self.dtype)
+        reader = self.src.reader
+        for ent in self.ents:
+            if ent.index[0] != layer:
+                continue
+            slot = block[ent.index[1:]]
+            if reader.dtype(ent.hf_name) == self.dtype and slot.flags.c_contiguous:
+                reader.read_into(ent.hf_name, slot)
+            else:
+                slot[...] = reader.get(ent.hf_name)
+        return block
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        if not index or not all(isinstance(i, (int, np.integer)) for i in index):
+            raise TypeError("HfLeafView takes integer indices over the leading axes")
+        layer = int(index[0])
+        if self._layer != layer:
+            self._block = self._read_layer(layer)
+            self._layer = layer
+        block = np.swapaxes(self._block, -1, -2) if self.transpose else self._block
+        return block[tuple(int(i) for i in index[1:])]
 
 
 class HfSource(HfTensorSource):
@@ -299,6 +379,7 @@ class PartWriter(SafetensorsWriter):
                 at, view, done = p.offset + (i * p.shape[dim] + start) * inner, memoryview(run), 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], at + done)
+                start_writeback(fd, at, len(view))
         finally:
             os.close(fd)
         got.append((start, stop))
@@ -333,10 +414,25 @@ class HfTensorSink(Sink):
     def _writer(self, cfg: Config, dtypes: dict, plan: list) -> PartWriter:
         raise NotImplementedError
 
+    raw_names = "hf"
+
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:  # None for fused parts
+        out = {}
+        for ent in self.groups[key]:
+            p = self.writer.planned[ent.hf_name]
+            if ent.hf_part is not None or p.written:
+                return None
+            out[ent.hf_name] = RawTensor(p.file, p.offset, p.nbytes, p.dtype, p.shape)
+        return out
+
+    def raw_written(self, key: str) -> None:
+        for ent in self.groups[key]:
+            self.writer.planned[ent.hf_name].written = True
+
     def write_leaf(self, key: str, arr) -> None:
         for ent in self.groups[key]:
             t = arr[ent.index]
-            t = _transposed(t) if ent.transpose else t
+            t = transposed(t) if ent.transpose else t
             if ent.hf_part is None:
                 self.writer.write(ent.hf_name, t)
             else:
@@ -400,4 +496,5 @@ class HfFormat(Format):
                 and not any(p.is_dir() for p in path.iterdir()))
 
 
-__all__ = ["FP8", "HfFormat", "HfSink", "HfSource", "HfTensorSink", "HfTensorSource"]
+__all__ = ["FP8", "HfFormat", "HfLeafView", "HfSink", "HfSource", "HfTensorSink", "HfTensorSource", "transpose_into",
+           "transposed"]
