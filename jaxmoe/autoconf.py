@@ -21,11 +21,15 @@ The rules (evidence: docs/MEASUREMENTS.md, "auto defaults"):
   passed on a device; the reason is printed once per process.
 * ``train.attention_kernel``: ``dot_product`` on GPU (``jax.nn.dot_product_attention``, cuDNN
   flash attention), ``explicit`` elsewhere (what :func:`jaxmoe.model.attention.attend` did).
-* ``train.scan_unroll``: ``0`` (every layer unrolled: no stacked per-layer buffers to zero-fill,
-  slice and write back) when each layer stack has at most :data:`UNROLL_MAX_LAYERS` layers, else
-  ``1`` (a rolled scan: compile time flat in depth). Unrolling was faster on CPU on both 4-layer
-  bench shapes; its price is compile time, which grows with the unrolled depth, so deep models
-  (every large preset, on any backend) keep the rolled scan.
+* ``train.scan_unroll``: on CPU ``0`` (every layer unrolled: no stacked per-layer buffers to
+  zero-fill, slice and write back) when each layer stack has at most :data:`UNROLL_MAX_LAYERS`
+  layers, else ``1`` (a rolled scan: compile time flat in depth). Unrolling was faster on CPU on
+  the 4-layer bench shapes; its price is compile time, which grows with the unrolled depth, so
+  deep models (every large preset) keep the rolled scan. On GPU and TPU ``1``: there a layer's
+  kernels are large next to the loop's bookkeeping, memory is what binds, and unrolling raises
+  XLA's peak (tiny, remat save_dots, fsdp=2,expert=4: 4.41 MB unrolled against the 3.73 MB
+  jaxmoe.plan models for the rolled scan, which tests/test_plan.py checks within 15%), while
+  compile time stays flat in depth. Not measured on a device.
 * ``train.ce_chunk_tokens``: :data:`CE_CHUNK` (cross-entropy fused with the LM head, chunked)
   when one micro-batch's ``[tokens, vocab]`` logits would hold at least :data:`CE_CHUNK_MIN_LOGITS`
   values (64 MiB in fp32), else ``0`` (whole logits). Same FLOPs, fewer bytes: faster on CPU at
@@ -74,6 +78,8 @@ def _compute_path(cfg: Config, kind: str) -> str:
 
 
 def _scan_unroll(cfg: Config, kind: str) -> int:
+    if kind != "cpu":
+        return 1
     m = cfg.model
     deepest = max(m.first_k_dense, m.n_layers - m.first_k_dense)
     return 0 if deepest <= UNROLL_MAX_LAYERS else 1

@@ -189,7 +189,7 @@ class TrainConfig:
     # flat in depth); N = N layers per iteration; 0 = every layer unrolled: no stacked per-layer
     # buffers to zero-fill, slice and write back (faster for shallow stacks on CPU: +4% / +14%
     # tokens/s on bench/train_step.py's coarse / fine shapes), compile time grows with depth;
-    # auto = 0 for stacks of at most 8 layers, else 1 (jaxmoe.autoconf)
+    # auto = on CPU 0 for stacks of at most 8 layers, else 1; 1 on GPU/TPU (jaxmoe.autoconf)
     scan_unroll: int | str = field(default="auto", metadata={"type": int, "auto": True})
     # attention score kernel (jaxmoe.model.attention.attend): dot_product = jax.nn.dot_product_attention
     # (cuDNN flash on GPU), explicit = scores by hand; auto = dot_product on GPU, explicit elsewhere

@@ -22,20 +22,20 @@ BENCH = ("moe.compute_path=auto", "train.batch_size=8", "train.seq_len=256", "mo
          "model.vocab_size=8192", "model.n_layers=4", "model.first_k_dense=0")
 
 
-@pytest.mark.parametrize("backend, path, attn", [
-    ("cpu", "blocked", "explicit"), ("cuda", "blocked", "dot_product"), ("gpu", "blocked", "dot_product"),
-    ("rocm", "blocked", "dot_product"), ("tpu", "ragged", "explicit"), ("METAL", "blocked", "explicit"),
+@pytest.mark.parametrize("backend, path, attn, unroll", [
+    ("cpu", "blocked", "explicit", 0), ("cuda", "blocked", "dot_product", 1), ("gpu", "blocked", "dot_product", 1),
+    ("rocm", "blocked", "dot_product", 1), ("tpu", "ragged", "explicit", 1), ("METAL", "blocked", "explicit", 0),
 ])
-def test_resolution_table_per_backend(backend, path, attn, monkeypatch):
+def test_resolution_table_per_backend(backend, path, attn, unroll, monkeypatch):
     cfg = _cfg(*BENCH)
     assert (cfg.moe.compute_path, cfg.train.attention_kernel, cfg.train.scan_unroll,
             cfg.train.ce_chunk_tokens) == ("auto", "auto", "auto", "auto")
-    want = {"moe.compute_path": path, "train.attention_kernel": attn, "train.scan_unroll": 0,
+    want = {"moe.compute_path": path, "train.attention_kernel": attn, "train.scan_unroll": unroll,
             "train.ce_chunk_tokens": 1024}
     assert auto_choices(cfg, backend) == want
     got = resolve_auto(cfg, backend)
     assert (got.moe.compute_path, got.train.attention_kernel, got.train.scan_unroll,
-            got.train.ce_chunk_tokens) == (path, attn, 0, 1024)
+            got.train.ce_chunk_tokens) == (path, attn, unroll, 1024)
     assert cfg.moe.compute_path == "auto"  # the asked config is not mutated
     import jax  # backend=None asks jax
 
