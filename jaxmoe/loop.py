@@ -167,7 +167,7 @@ class Trainer:
         chosen = auto_choices(cfg)  # what the `auto` fields ran as here (config.toml keeps `auto`)
         if chosen:
             fields["resolved"] = {"backend": backend_kind(), **chosen}
-            if rd.primary:  # one line, whatever --quiet says: what ran is worth a line
+            if rd.primary and not self.quiet:  # --quiet: run.json only (errors stay one line)
                 _log("auto (" + backend_kind() + "): " + ", ".join(f"{k}={v}" for k, v in chosen.items()))
         if self.init_from is not None:
             from jaxmoe.init_from import fingerprint, record_source_files

@@ -100,7 +100,7 @@ def test_model_resolves_and_run_dir_records(tmp_path, capsys):
     assert Model(cfg).cfg.moe.compute_path == "blocked"  # this CPU backend's value
     out = tmp_path / "run"
     # --stop-after 0: the run is set up and recorded, no step is compiled (the test stays cheap)
-    assert main(["train", "--quiet", "--preset", "tiny", "--steps", "1", "--stop-after", "0",
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--stop-after", "0",
                  "--set", "moe.compute_path=auto", "--out", str(out)]) == 0
     rec = json.loads((out / "run.json").read_text())
     assert rec["resolved"] == {"backend": "cpu", "moe.compute_path": "blocked", "train.attention_kernel": "explicit",
