@@ -7,7 +7,8 @@ with each ``auto`` replaced by the value the rules below pick for the backend (`
 config file or a preset) is never changed. The model (:class:`jaxmoe.model.transformer.Model`,
 ``Transformer``) resolves its config on construction, so every reader sees concrete values;
 ``jaxmoe train`` keeps the asked config in ``config.toml`` (``auto`` stays ``auto``, so a resumed
-run on another backend re-resolves) and writes what ran to ``run.json``'s ``resolved`` and its log.
+run on another backend re-resolves) and writes what ran to ``run.json``'s ``resolved`` (and one
+line to stderr, unless ``--quiet``).
 
 The rules (evidence: docs/MEASUREMENTS.md, "auto defaults"):
 
