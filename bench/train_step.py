@@ -11,20 +11,24 @@ head_dim 64, fp32, aux losses off, global-norm clipping 1.0 on every system):
 
 Systems: ``jaxmoe`` (the jitted train step of ``jaxmoe.step``: the ``blocked`` expert path with
 64-row blocks, cross-entropy chunked by 1024 tokens (``train.ce_chunk_tokens``), the 4 layers
-unrolled (``train.scan_unroll=0``), jaxmoe's host allocator setting as ``jaxmoe train`` applies
-it), ``hf_eager`` and ``hf_compile`` (the transformers model with ``torch.optim.AdamW``, eager and
-under ``torch.compile``; a compile failure is reported, not hidden), ``torch_ref`` (the
-reference's own train step). Each system lives in its own worker process (two runtimes in one
-process slow each other down; see ``bench_shape``) and runs three untimed steps first
-(compilation, warm-up); each round then times ``--steps`` steps of every system, one at a time,
-the order alternating between rounds (and a matmul peak before and after each round); a
-system's figure is the median over rounds (range beside it), the ratios are per round (median
-and range). ~6 minutes for ``--shape all`` on the 2-core machine. MFU = tokens/s x FLOPs per
-token / matmul peak, FLOPs per token from ``jaxmoe.counting.flops_per_token`` (6 x active matmul
-parameters without the input embedding, plus causal attention). ``ratio_to_best_peer``: jaxmoe
-tokens/s over the best torch system. With both shapes, ``fine_over_coarse_at_equal_flops``: each
-system's fine tokens/s over its coarse tokens/s, scaled by the FLOPs per token. ``per_step_os``:
-each worker's user and kernel CPU seconds and page faults per step.
+unrolled (``train.scan_unroll=0``)), ``hf_eager`` and ``hf_compile`` (the transformers model with
+``torch.optim.AdamW``, eager and under ``torch.compile``; a compile failure is reported, not
+hidden), ``torch_ref`` (the reference's own train step), ``jaxmoe_train`` (``jaxmoe train`` end to
+end with its defaults: a subprocess per round on the shape's config without the tuned values that
+``auto`` now picks, tokens/s from its ``metrics.jsonl`` after 3 warm-up steps; see ``_TrainRun``;
+``train_over_step``: its per-round ratio to the ``jaxmoe`` step). Each system lives in its own
+worker process (two runtimes in one process slow each other down; see ``bench_shape``) and runs
+three untimed steps first (compilation, warm-up); every worker process gets jaxmoe's host
+allocator setting (``jaxmoe/host_alloc.py``, as ``jaxmoe train`` applies it;
+``JAXMOE_SYSTEM_MALLOC=1``: none does); each round then times ``--steps`` steps of every system,
+one at a time, the order alternating between rounds (and a matmul peak before and after each
+round); a system's figure is the median over rounds (range beside it), the ratios are per round
+(median and range). ~6 minutes for ``--shape all`` on the 2-core machine. MFU = tokens/s x FLOPs
+per token / matmul peak, FLOPs per token from ``jaxmoe.counting.flops_per_token`` (6 x active
+matmul parameters without the input embedding, plus causal attention). ``ratio_to_best_peer``:
+jaxmoe tokens/s over the best torch system. With both shapes, ``fine_over_coarse_at_equal_flops``:
+each system's fine tokens/s over its coarse tokens/s, scaled by the FLOPs per token.
+``per_step_os``: each worker's user and kernel CPU seconds and page faults per step.
 Figures are reported, never asserted.
 """
 
@@ -48,7 +52,13 @@ SHAPES = {
 }
 
 
-def jax_config(shape: str, extra=()):
+# what `auto` decides (jaxmoe/autoconf.py): the `jaxmoe_train` row leaves these to the defaults
+AUTO_KEYS = ("moe.compute_path", "train.ce_chunk_tokens", "train.scan_unroll")
+
+
+def jax_config(shape: str, extra=(), defaults: bool = False):
+    """The bench shape's jaxmoe config; ``defaults``: without the tuned values of ``AUTO_KEYS``
+    (what ``jaxmoe train`` then picks itself: the preset's value where it sets one, else ``auto``)."""
     from jaxmoe.config import load_config
 
     s = SHAPES[shape]
@@ -71,6 +81,8 @@ def jax_config(shape: str, extra=()):
         # +12% coarse, +9% fine by interleaved A/B; 32 and 128 were not faster)
         "moe.block_size": 64,
     }
+    if defaults:
+        sets = {k: v for k, v in sets.items() if k not in AUTO_KEYS}
     return load_config(s["preset"], overrides=[f"{k}={v}" for k, v in sets.items()] + list(extra))
 
 
@@ -166,9 +178,65 @@ def make_torch_ref(cfg):
     return (lambda: train_step(model, opt, sched, b, cfg)["loss"]), lambda x: x
 
 
+class _TrainRun:
+    """``jaxmoe train`` end to end with its defaults, as a user runs it: each ``("time", steps)``
+    is one subprocess ``python -m jaxmoe.cli train --config FILE --steps WARM+steps`` on the bench
+    shape's config without the tuned ``AUTO_KEYS`` (:func:`jax_config` ``defaults=True``; the
+    embedded corpus, no eval, no checkpoints, the async loop, the persistent compile cache as
+    a user has it). Its tokens/s: the median of the per-step ``tokens_per_s`` the run writes to
+    ``metrics.jsonl`` (wall time between one step's metrics and the next: the real loop, data
+    included) over the steps after the first ``WARM`` (compilation and warm-up excluded, as the
+    in-process systems' three untimed steps). ``jaxmoe train`` applies the allocator setting
+    itself."""
+
+    WARM = 3
+
+    def __init__(self, shape, sets):
+        import tempfile
+
+        from jaxmoe.config import config_to_toml
+
+        self.dir = tempfile.mkdtemp(prefix="jaxmoe-train-row-")
+        cfg = jax_config(shape, sets, defaults=True)
+        for k, v in (("eval_every", 0), ("checkpoint_every", 0), ("checkpoint_minutes", 0.0), ("log_every", 1)):
+            setattr(cfg.train, k, v)
+        self.config = os.path.join(self.dir, "config.toml")
+        with open(self.config, "w") as f:
+            f.write(config_to_toml(cfg))
+        self.n, self.ready = 0, {"config": "bench shape without " + ", ".join(AUTO_KEYS)}
+
+    def call(self, cmd, steps=None):
+        import subprocess
+
+        if cmd == "peak":
+            raise RuntimeError("not a matmul timer")
+        self.n += 1
+        out = os.path.join(self.dir, f"run{self.n}")
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        p = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "train", "--config", self.config, "--out", out,
+                            "--steps", str(self.WARM + steps), "--quiet"], capture_output=True, text=True)
+        if p.returncode:
+            raise RuntimeError(f"jaxmoe train exited {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}")
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        tok = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > self.WARM]
+        with open(os.path.join(out, "run.json")) as f:
+            self.ready["resolved"] = json.load(f).get("resolved", {})
+        n = self.WARM + steps  # the whole process's CPU time (compile included) per step
+        return statistics.median(tok), {"user_s": (r1.ru_utime - r0.ru_utime) / n,
+                                        "sys_s": (r1.ru_stime - r0.ru_stime) / n,
+                                        "minflt": (r1.ru_minflt - r0.ru_minflt) / n}
+
+    def close(self):
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 SETTLE_S = 10.0
 
-MAKERS = {"jaxmoe": make_jaxmoe, "hf_eager": lambda cfg: make_hf(cfg, False),
+MAKERS = {"jaxmoe": make_jaxmoe, "jaxmoe_train": None, "hf_eager": lambda cfg: make_hf(cfg, False),
           "hf_compile": lambda cfg: make_hf(cfg, True), "torch_ref": make_torch_ref}
 
 
@@ -190,10 +258,11 @@ def _worker(shape: str, name: str, sets, conn) -> None:
     None)`` with the matmul peak (the ``peak`` worker), ``("stop", None)`` by returning. Every
     failure is sent back as ``("error", line)``."""
     try:
-        if name in ("jaxmoe", "peak"):  # what `jaxmoe train` does at start-up (jaxmoe/host_alloc.py)
-            from jaxmoe.host_alloc import keep_freed_memory
+        # every worker gets what `jaxmoe train` does at start-up (jaxmoe/host_alloc.py): no peer
+        # handicapped by a setting only jaxmoe gets; JAXMOE_SYSTEM_MALLOC=1 turns it off for all
+        from jaxmoe.host_alloc import keep_freed_memory
 
-            keep_freed_memory()
+        keep_freed_memory()
         if name == "peak":
             conn.send(("ready", {}))
         else:
@@ -278,7 +347,7 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
                 notes[name] = {"skipped": "--skip"}
                 continue
             try:
-                w = _System(ctx, shape, name, sets)
+                w = _TrainRun(shape, sets) if name == "jaxmoe_train" else _System(ctx, shape, name, sets)
             except RuntimeError as e:
                 notes[name] = {"error": str(e)}
                 log(f"{shape}: {name} did not run: {e}")
@@ -314,7 +383,10 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
            # medians over rounds of each worker's user and kernel CPU seconds and minor page
            # faults per step: the host allocator's churn shows here (jaxmoe/host_alloc.py)
            "per_step_os": {n: {k: statistics.median(v) for k, v in d.items()} for n, d in per_step.items()}}
-    peers = {n: v for n, v in res["tokens_per_s"].items() if n != "jaxmoe"}
+    peers = {n: v for n, v in res["tokens_per_s"].items() if n not in ("jaxmoe", "jaxmoe_train")}
+    if "jaxmoe" in tok and "jaxmoe_train" in tok:  # the real loop with defaults / the tuned step
+        r = [a / b for a, b in zip(tok["jaxmoe_train"], tok["jaxmoe"])]
+        res["train_over_step"], res["train_over_step_range"] = statistics.median(r), [min(r), max(r)]
     if "jaxmoe" in res["tokens_per_s"] and peers:
         best = max(peers, key=peers.get)
         res["best_peer"] = best
@@ -370,6 +442,10 @@ def main(argv=None) -> int:
                     lo, hi = r["ratio_to_hf_eager_range"]
                     line += f"; / hf_eager = {r['ratio_to_hf_eager']:.2f} [{lo:.2f}-{hi:.2f}]"
                 print(line)
+            if "train_over_step" in r:
+                lo, hi = r["train_over_step_range"]
+                print(f"  jaxmoe train (defaults, end to end) / tuned step = {r['train_over_step']:.2f} "
+                      f"[{lo:.2f}-{hi:.2f}]")
     return 0
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxmoe.archs import get_arch
 from jaxmoe.errors import ConfigError
-from jaxmoe.schema import SECTIONS, Config, choices, field_type
+from jaxmoe.schema import SECTIONS, Config, allows_auto, choices, field_type
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -92,6 +92,9 @@ def apply_setting(cfg: Config, section: str, key: str, value: Any) -> None:
         close = [n for n in names if key in n or n in key]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise ConfigError(f"unknown config key {section}.{key}{hint}")
+    if allows_auto(type(obj), key) and isinstance(value, str) and value.strip() == "auto":
+        setattr(obj, key, "auto")  # resolved per backend and shape by jaxmoe.autoconf
+        return
     setattr(obj, key, _coerce(section, key, value, field_type(type(obj), key)))
 
 
@@ -207,6 +210,11 @@ def _positive(cfg: Config, section: str, *keys: str, allow_zero: bool = False) -
     obj = getattr(cfg, section)
     for k in keys:
         v = getattr(obj, k)
+        if v == "auto" and allows_auto(type(obj), k):
+            continue
+        if isinstance(v, str) or isinstance(v, bool):
+            raise ConfigError(f"{section}.{k}={v!r} must be a number"
+                              + (" or 'auto'" if allows_auto(type(obj), k) else ""))
         if v < 0 or (v == 0 and not allow_zero):
             need = ">= 0" if allow_zero else "> 0"
             raise ConfigError(f"{section}.{k}={v} must be {need}")
@@ -294,7 +302,7 @@ def validate(cfg: Config) -> Config:
     if e.block_size <= 0:
         raise ConfigError(f"moe.block_size={e.block_size} must be > 0")
     if e.ragged_kernel == "mosaic_gpu":  # the device itself is checked when the step is traced
-        if e.compute_path != "ragged":
+        if e.compute_path not in ("ragged", "auto"):  # auto picks ragged for it (jaxmoe.autoconf)
             raise ConfigError(f"moe.ragged_kernel='mosaic_gpu' applies to moe.compute_path='ragged' "
                               f"only (this config uses {e.compute_path!r}); set one or the other")
         if t.dtype != "bfloat16":

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from jaxmoe import compile_cache
+from jaxmoe.autoconf import auto_choices, backend_kind
 from jaxmoe.checkpoint import Checkpointer
 from jaxmoe.config import Config, config_to_toml
 from jaxmoe.counting import flops_per_token
@@ -163,6 +164,11 @@ class Trainer:
                  f"to min_lr at step {cfg.train.steps}); resume with --steps {rec['steps']} to keep it")
         fields: dict = {"jaxmoe": "0.1.0", "steps": cfg.train.steps, "status": "running",
                         "start_step": start}
+        chosen = auto_choices(cfg)  # what the `auto` fields ran as here (config.toml keeps `auto`)
+        if chosen:
+            fields["resolved"] = {"backend": backend_kind(), **chosen}
+            if rd.primary and not self.quiet:  # --quiet: run.json only (errors stay one line)
+                _log("auto (" + backend_kind() + "): " + ", ".join(f"{k}={v}" for k, v in chosen.items()))
         if self.init_from is not None:
             from jaxmoe.init_from import fingerprint, record_source_files
 

@@ -231,12 +231,14 @@ def _place(x, sharding):
 
 def validate_mesh(cfg: Config, sizes: dict[str, int]) -> None:
     """One-line UserErrors for a mesh that cannot run this config (before any compute)."""
+    from jaxmoe.autoconf import resolve_auto
     from jaxmoe.dispatch import check_chunks, check_expert_split
     from jaxmoe.model.experts import get_path
 
     e, t = cfg.moe, cfg.train
-    try:  # the dispatchers run an expert path on rows grouped by expert
-        get_path(e.compute_path, under_mesh=True)
+    try:  # the dispatchers run an expert path on rows grouped by expert (auto: blocked or ragged)
+        get_path(resolve_auto(cfg, "gpu").moe.compute_path if e.compute_path == "auto" else e.compute_path,
+                 under_mesh=True)
     except ValueError as err:
         raise UserError(str(err)) from None
     if cfg.model.n_moe_layers:

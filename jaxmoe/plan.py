@@ -31,6 +31,7 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxmoe.autoconf import resolve_auto
 from jaxmoe.config import Config, load_config
 from jaxmoe.counting import count_params, flops_per_token, human
 from jaxmoe.dispatch import receive_rows, resolve_dispatcher
@@ -182,7 +183,8 @@ def recv_rows(cfg: Config, t: int) -> int:
     n_x = math.prod(getattr(cfg.mesh, a) for a in expert_axes_of(cfg.mesh.expert_axes))
     kind = resolve_dispatcher(cfg, platform="gpu")
     rows = receive_rows(kind, e, n_x, t, cfg.mesh.a2a_capacity_factor)
-    return rows + (e.n_experts // n_x * e.block_size if e.compute_path == "blocked" else 0)
+    path = resolve_auto(cfg, "gpu").moe.compute_path  # auto: what a GPU run picks
+    return rows + (e.n_experts // n_x * e.block_size if path == "blocked" else 0)
 
 
 def _layer_saved(cfg: Config, t: int, moe: bool, with_experts: bool = True) -> int:
@@ -260,7 +262,8 @@ def dispatch_bytes(cfg: Config, t: int) -> int:
         return 0
     b = _DTYPE_BYTES[cfg.train.dtype]
     r = recv_rows(cfg, t)
-    run = min(RUN_ROWS, r) * (2 * m.d_model + 2 * e.expert_ffn_dim) if e.compute_path == "blocked" else 0
+    blocked = resolve_auto(cfg, "gpu").moe.compute_path == "blocked"
+    run = min(RUN_ROWS, r) * (2 * m.d_model + 2 * e.expert_ffn_dim) if blocked else 0
     return (r * (6 * m.d_model + 2 * e.expert_ffn_dim) + run) * b
 
 

@@ -33,6 +33,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmoe import dispatch as dispatch_mod
+from jaxmoe.autoconf import resolve_auto
 from jaxmoe.config import Config
 from jaxmoe.hlo_stats import count_collectives as hlo_collectives
 from jaxmoe.hlo_stats import optimizer_update_collectives as update_collectives
@@ -97,6 +98,7 @@ def lower_train_step(cfg: Config, platform: str = "cuda") -> dict:
     """Trace and lower the real train step for ``platform`` on an abstract mesh of the config's
     shape; per-device input shapes from the shardings; memory_analysis when compilable here."""
     t0 = time.perf_counter()
+    cfg = resolve_auto(cfg, platform)  # `auto` fields: the target platform's values, not this host's
     sizes = _sizes(cfg)
     lowered, state, kind = lower_abstract(cfg, platform)
     text = lowered.as_text()

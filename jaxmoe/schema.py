@@ -112,8 +112,9 @@ class MoEConfig:
     seq_aux_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss
     router_z_coef: float = 0.0  # router z-loss: mean(logsumexp(router_logits)^2)
     # Expert compute path
-    # implementations: jaxmoe.model.experts.PATHS (which also says which run under a mesh)
-    compute_path: Literal["dense", "ragged", "blocked"] = "blocked"
+    # implementations: jaxmoe.model.experts.PATHS (which also says which run under a mesh);
+    # auto = per backend (jaxmoe.autoconf): blocked on CPU and GPU, ragged on TPU
+    compute_path: Literal["auto", "dense", "ragged", "blocked"] = "auto"
     capacity_factor: float = 0.0  # dense path: 0 = dropless (capacity = worst case)
     block_size: int = 16  # blocked path: each expert's token group is padded to a multiple of this
     # ragged path's grouped matmul (jaxmoe.model.grouped_gemm): xla = jax.lax.ragged_dot (native on
@@ -187,14 +188,17 @@ class TrainConfig:
     # layers per iteration of the layer scans (jaxmoe.model.transformer): 1 = rolled (compile time
     # flat in depth); N = N layers per iteration; 0 = every layer unrolled: no stacked per-layer
     # buffers to zero-fill, slice and write back (faster for shallow stacks on CPU: +4% / +14%
-    # tokens/s on bench/train_step.py's coarse / fine shapes), compile time grows with depth
-    scan_unroll: int = 1
+    # tokens/s on bench/train_step.py's coarse / fine shapes), compile time grows with depth;
+    # auto = on CPU 0 for stacks of at most 8 layers, else 1; 1 on GPU/TPU (jaxmoe.autoconf)
+    scan_unroll: int | str = field(default="auto", metadata={"type": int, "auto": True})
     # attention score kernel (jaxmoe.model.attention.attend): dot_product = jax.nn.dot_product_attention
     # (cuDNN flash on GPU), explicit = scores by hand; auto = dot_product on GPU, explicit elsewhere
+    # (jaxmoe.autoconf)
     attention_kernel: Literal["auto", "dot_product", "explicit"] = "auto"
     # cross-entropy over this many tokens at a time, fused with the LM head, so the [T, V] fp32
-    # logits are never held whole (jaxmoe.losses.chunked_cross_entropy); 0 = off
-    ce_chunk_tokens: int = 0
+    # logits are never held whole (jaxmoe.losses.chunked_cross_entropy); 0 = off; auto = 1024 when
+    # a micro-batch's logits hold >= 2^24 values (tokens x vocab), else 0 (jaxmoe.autoconf)
+    ce_chunk_tokens: int | str = field(default="auto", metadata={"type": int, "auto": True})
     # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer),
     # or a mixture "mix:0.7*SPEC,0.3*SPEC" (jaxmoe.data.mixture)
     data: str = "default"
@@ -256,9 +260,18 @@ def choices(cls, name: str) -> tuple | None:
     return None
 
 
+def allows_auto(cls, name: str) -> bool:
+    """Whether field ``name`` of section ``cls`` is a number that also takes the string ``"auto"``
+    (``metadata["auto"]``; resolved per backend and shape by :mod:`jaxmoe.autoconf`)."""
+    return bool({f.name: f for f in fields(cls)}[name].metadata.get("auto"))
+
+
 def field_type(cls, name: str) -> type:
-    """The Python type a value of field ``name`` of section ``cls`` is coerced to (a ``Literal``'s
-    value type, else the default's type)."""
+    """The Python type a value of field ``name`` of section ``cls`` is coerced to
+    (``metadata["type"]``, else a ``Literal``'s value type, else the default's type)."""
+    f = {f.name: f for f in fields(cls)}[name]
+    if "type" in f.metadata:
+        return f.metadata["type"]
     hint = _hints(cls)[name]
     if typing.get_origin(hint) is Literal:
         return type(typing.get_args(hint)[0])
@@ -268,4 +281,5 @@ def field_type(cls, name: str) -> type:
     return type(f.default_factory())  # type: ignore[misc]
 
 
-__all__ = ["Config", "MeshConfig", "ModelConfig", "MoEConfig", "SECTIONS", "TrainConfig", "choices", "field_type"]
+__all__ = ["Config", "MeshConfig", "ModelConfig", "MoEConfig", "SECTIONS", "TrainConfig", "allows_auto", "choices",
+           "field_type"]

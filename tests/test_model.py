@@ -219,7 +219,7 @@ def test_scan_unroll_matches_rolled_scan():
     """train.scan_unroll: every layer unrolled (0) and 2 layers per iteration of a 3-layer stack
     (one iteration and a remainder) give the rolled scan's loss and every gradient."""
     batch = _batch()
-    cfg = _cfg("tiny", "model.n_layers=3")
+    cfg = _cfg("tiny", "model.n_layers=3", "train.scan_unroll=1")  # the rolled scan (auto: 0 here)
     params, buffers = init_params(cfg, 0)
     l0, _, _, g0 = _loss_and_grads(cfg, params, buffers, batch)
     assert _layer_scan_unrolls(cfg, params, buffers) == [1]

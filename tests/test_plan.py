@@ -116,7 +116,9 @@ def memory_analyses():
     def get(preset, optimizer, remat):
         key = (preset, optimizer, remat)
         if key not in cache:
-            cfg = plan_config(load_config(preset, overrides=["mesh.expert_axes=fsdp,expert"]),
+            # train.scan_unroll=1: the planner models the rolled layer scan, what `auto` picks on
+            # a GPU; XLA:CPU here would otherwise compile auto's CPU choice (these layers unrolled)
+            cfg = plan_config(load_config(preset, overrides=["mesh.expert_axes=fsdp,expert", "train.scan_unroll=1"]),
                               parse_mesh("fsdp=2,expert=4"), optimizer=optimizer, remat=remat)
             cache[key] = (cfg, compiled_memory(cfg))
         return cache[key]

@@ -136,7 +136,7 @@ PATHS: dict[str, ExpertPath] = {
     "blocked": ExpertPath(_blocked_tokens, rows=_blocked_rows, drops=False),
 }
 # the config declares the choices; this table must implement exactly those
-assert set(PATHS) == set(typing.get_args(typing.get_type_hints(MoEConfig)["compute_path"]))
+assert set(PATHS) | {"auto"} == set(typing.get_args(typing.get_type_hints(MoEConfig)["compute_path"]))
 
 
 def get_path(name: str, *, under_mesh: bool = False) -> ExpertPath:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmoe.autoconf import resolve_auto
 from jaxmoe.config import Config
 from jaxmoe.model.attention import make_attention
 from jaxmoe.model.layers import rope_tables
@@ -173,6 +174,7 @@ class Transformer(nnx.Module):
 
     @builds
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs, dispatch: Callable | None = None):
+        cfg = resolve_auto(cfg)  # `auto` fields -> this backend's values (jaxmoe.autoconf)
         m = cfg.model
         self.cfg = cfg
         self.embed = Embedding.declare((m.vocab_size, m.d_model), ("vocab", "embed"), normal(m.init_std))
@@ -315,7 +317,7 @@ class Model:
     ``(hidden [B, S, D], head [D, V], aux)`` (chunked cross-entropy)."""
 
     def __init__(self, cfg: Config, dispatch: Callable | None = None):
-        self.cfg = cfg
+        self.cfg = resolve_auto(cfg)  # what the objective reads too (train.ce_chunk_tokens)
         self.dispatch = dispatch
 
     def merge(self, params: dict, buffers: dict) -> Transformer:
