@@ -85,7 +85,9 @@ def abstract_inputs(cfg: Config, mesh):
 def lower_abstract(cfg: Config, platform: str = "cuda"):
     """``(lowered, abstract state, dispatcher)``: the real train step traced on an abstract mesh
     of the config's shape and lowered for ``platform`` (``lowered.as_text()`` is its StableHLO);
-    nothing allocated, no device of that platform needed."""
+    nothing allocated, no device of that platform needed. ``auto`` fields take the target
+    platform's values (:func:`jaxmoe.autoconf.resolve_auto`), not this host's."""
+    cfg = resolve_auto(cfg, platform)
     sizes = _sizes(cfg)
     mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
     tx, state, batch = abstract_inputs(cfg, mesh)

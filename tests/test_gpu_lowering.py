@@ -57,7 +57,7 @@ def test_pattern_matches_both_notations():
 @pytest.fixture(scope="module")
 def cuda_text():
     out = {}
-    for name, path in {"blocked": {"moe.compute_path": "blocked"},
+    for name, path in {"blocked": {"moe.compute_path": "blocked"}, "auto": {"moe.compute_path": "auto"},
                        "ragged_xla": {"moe.compute_path": "ragged", "moe.ragged_kernel": "xla"}}.items():
         lowered, _, _ = lower_abstract(_cfg(**path), "cuda")
         out[name] = lowered.as_text()
@@ -70,6 +70,13 @@ def test_blocked_lowered_for_cuda_is_not_dense(cuda_text):
     assert re.search(r"stablehlo.dot_general[^\n]*xbf16>", text)  # bf16 matmuls
     assert "ragged_dot" not in text
     assert dense_operands(text) == set()
+
+
+def test_default_path_lowered_for_cuda_is_not_dense(cuda_text):
+    """moe.compute_path=auto (the default), resolved for the CUDA target: no ragged_dot, no dense
+    [G, rows, K] operand (issue 27 item 1)."""
+    text = cuda_text["auto"]
+    assert "ragged_dot" not in text and dense_operands(text) == set()
 
 
 def test_ragged_xla_lowered_for_cuda_is_the_dense_counter_example(cuda_text):
