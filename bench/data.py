@@ -44,7 +44,7 @@ def write_files(d: Path, n_tokens: int) -> dict:
     with open(d / "text.jsonl", "w") as f:
         for doc in docs[: len(docs) // 2]:
             f.write(json.dumps({"text": " ".join(words[doc % len(words)])}) + "\n")
-    from jaxmoe.data import train_tokenizer
+    from jaxmoe.data.tokenize import train_tokenizer
 
     train_tokenizer([str(d / "text.jsonl")], 1024).save(str(d / "tok.json"))
     out = {"tokens": (f"tokens:{d}/tokens.bin", ["train.doc_sep_id=0"]),

@@ -7,7 +7,9 @@ import pytest
 
 from jaxmoe.cli import main as cli_main
 from jaxmoe.config import load_config
-from jaxmoe.data import ByteTokenizer, default_corpus_files, iter_documents, make_data
+from jaxmoe.data import make_data
+from jaxmoe.data.sources import default_corpus_files, iter_documents
+from jaxmoe.data.tokenize import ByteTokenizer
 from jaxmoe.errors import UserError
 
 

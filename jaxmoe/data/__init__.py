@@ -10,17 +10,11 @@
   resumable iterator state (:class:`DataIterator`).
 
 Grain is imported only when batches are made, so ``import jaxmoe`` and ``jaxmoe tokenizer`` work
-without it. This module also holds ``jaxmoe tokenizer`` (train a byte-level BPE tokenizer).
+without it. ``jaxmoe tokenizer`` (train a byte-level BPE tokenizer) is in :mod:`jaxmoe.data.tokenize`.
 """
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from jaxmoe.data.sources import default_corpus_files, iter_documents
-from jaxmoe.data.tokenize import EOT, ByteTokenizer
-from jaxmoe.errors import UserError
 from jaxmoe.extras import require
 
 
@@ -43,59 +37,4 @@ def gather_states(state: dict, process_count: int) -> dict:
     return gather(state, process_count)
 
 
-# --------------------------------------------------------------------------------------------
-# `jaxmoe tokenizer`
-# --------------------------------------------------------------------------------------------
-
-
-def add_args_tokenizer(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", action="append", required=True, metavar="PATH",
-                   help=".txt/.jsonl file or directory (repeatable); JSONL field 'text'")
-    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size (>= 257)")
-    p.add_argument("--out", required=True, help="where to write tokenizer.json")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
-
-
-def train_tokenizer(inputs, vocab_size: int):
-    """A byte-level BPE ``tokenizers.Tokenizer`` with special token ``<|endoftext|>``."""
-    tk = require("tokenizers", "jaxmoe tokenizer")  # late: the optional [text] extra
-    Tokenizer, decoders, models = tk.Tokenizer, tk.decoders, tk.models
-    pre_tokenizers, trainers = tk.pre_tokenizers, tk.trainers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 1:
-        raise UserError(f"--vocab-size={vocab_size} must be >= {len(alphabet) + 1} "
-                        "(256 byte tokens + <|endoftext|>)")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
-                                  initial_alphabet=alphabet, show_progress=False)
-    docs = [d for path in inputs for d in iter_documents(Path(path))]
-    if not any(d.strip() for d in docs):
-        raise UserError(f"tokenizer: no text in {', '.join(map(str, inputs))}")
-    tok.train_from_iterator(docs, trainer=trainer)
-    return tok
-
-
-def run_tokenizer(args) -> int:
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise UserError(f"{out} exists; pass --force to overwrite it")
-    tok = train_tokenizer(args.input, args.vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out))
-    print(f"wrote {out}: byte-level BPE, vocab {tok.get_vocab_size()}")
-    return 0
-
-
-__all__ = [
-    "ByteTokenizer",
-    "add_args_tokenizer",
-    "default_corpus_files",
-    "gather_states",
-    "iter_documents",
-    "make_data",
-    "run_tokenizer",
-    "train_tokenizer",
-]
+__all__ = ["gather_states", "make_data"]
