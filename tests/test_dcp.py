@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import free_port, needs_titan
 
 from jaxmoe.cli import main
 from jaxmoe.errors import UserError
@@ -34,28 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAVOR = "deepseek_v3/debugmodel"
 
 
-def _titan_ok() -> bool:
-    try:
-        return bool(__import__("torchtitan.components.checkpoint"))
-    except Exception:  # noqa: BLE001 (a missing dependency of torchtitan: triton, tyro, torch)
-        return False
 
 
-needs_titan = pytest.mark.skipif(not _titan_ok(), reason="torchtitan is not importable: pip install -e '.[titan]'")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _save(out: Path, world: int, mode: str, flavor: str = FLAVOR) -> Path:
     """torchtitan's CheckpointManager saves step 1 of FLAVOR from ``world`` gloo ranks (``mode``:
     full, model_only or hf)."""
-    port, env = _free_port(), {**os.environ, "PYTHONPATH": str(ROOT)}
+    port, env = free_port(), {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "titan_dcp_save.py"), str(out), flavor,
                                str(world), str(r), str(port), mode],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

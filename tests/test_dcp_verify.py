@@ -17,6 +17,7 @@ import json
 
 import numpy as np
 import pytest
+from support import needs_titan
 
 from jaxmoe import checkpoint
 from jaxmoe.cli import main
@@ -30,14 +31,7 @@ FLAVOR = "deepseek_v3/debugmodel"
 EXPERT_LEAF = "params/moe/experts/gate_proj"
 
 
-def _titan_ok() -> bool:
-    try:
-        return bool(__import__("torchtitan.components.checkpoint"))
-    except Exception:  # noqa: BLE001 (a missing dependency of torchtitan: triton, tyro, torch)
-        return False
 
-
-needs_titan = pytest.mark.skipif(not _titan_ok(), reason="torchtitan is not importable: pip install -e '.[titan]'")
 
 
 def _make_run(path, spec: str, std: float = 0.05):

@@ -12,13 +12,13 @@ and the XLA flag profile.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import free_port
 
 COMMON = ["--preset", "tiny", "--set", "train.seq_len=16", "--set", "train.eval_every=0", "--quiet"]
 TIMEOUT = 900
@@ -59,16 +59,10 @@ def _losses(run: Path):
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_and_resume_on_another_mesh(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    port = _free_port()
+    port = free_port()
     multi = [
         _train(["--mesh", "expert=4,fsdp=2", "--steps", "3", "--out", str(b),
                 "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], 4)
@@ -127,7 +121,7 @@ def test_sigterm_to_one_process_saves_the_same_step_on_all(tmp_path):
     import time
 
     out = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     procs = [
         _train(["--mesh", "expert=4,fsdp=2", "--steps", "300", "--out", str(out),
                 "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], 4)

@@ -10,10 +10,9 @@ trip needs no torchtitan.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
+from support import needs_titan, titan_importable
 
 from jaxmoe.config import load_config
 from jaxmoe.counting import count_params
@@ -22,19 +21,8 @@ from jaxmoe.port.titan_map import from_titan, leaf_shapes, titan_entries, to_tit
 from jaxmoe.trees import unflatten
 
 
-def _titan_ok() -> bool:
-    try:
-        return importlib.util.find_spec("torchtitan") is not None and bool(
-            __import__("torchtitan.models.deepseek_v3"))
-    except Exception:  # noqa: BLE001 (a missing dependency of torchtitan: triton, tyro, spmd_types, torch)
-        return False
-
-
-needs_titan = pytest.mark.skipif(not _titan_ok(), reason="torchtitan is not importable: pip install -e '.[titan]'")
-
-
 def _all_flavors():
-    if not _titan_ok():
+    if not titan_importable():
         return []
     from parity.titan_flavors import FAMILIES, flavors
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import free_port, needs_titan
 
 from jaxmoe.cli import main
 
@@ -33,22 +34,9 @@ SIGMOID = ["moe.router.score_func=sigmoid", "moe.router.num_expert_groups=4", "m
            "moe.router.route_norm=true", "moe.router.route_scale=2.5"]
 
 
-def _titan_ok() -> bool:
-    try:
-        return bool(__import__("torchtitan.components.checkpoint"))
-    except Exception:  # noqa: BLE001 (a missing dependency of torchtitan: triton, tyro, torch)
-        return False
 
+pytestmark = needs_titan
 
-pytestmark = pytest.mark.skipif(not _titan_ok(), reason="torchtitan is not importable: pip install -e '.[titan]'")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _toml(path: Path, layers: int, steps: int) -> Path:
@@ -68,7 +56,7 @@ def _titan(folder: Path, toml: Path, layers: int, k: int, m: int, mode: str) -> 
     spec = folder / "spec.json"
     folder.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps({"titan": FLAVOR, "titan_set": SIGMOID, "layers": layers, "toml": str(toml),
-                                "folder": str(folder), "K": k, "M": m, "port": _free_port(), "mode": mode}))
+                                "folder": str(folder), "K": k, "M": m, "port": free_port(), "mode": mode}))
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "titan_resume_side.py"), str(spec)],
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
