@@ -2,7 +2,7 @@
 
     bench/gpu.sh [--dry-run] [--json PATH] [--budget-s 450] [--xla-profile gpu_overlap|none]
     python bench/gpu.py [--dry-run] --profile VARIANT [--profile-dir DIR]  # trace + top 15 kernels
-    python bench/gpu.py [--dry-run] --memory-only     # does each shape fit (bench/gpu_fit.py), CPU
+    python bench/gpu.py [--dry-run] --memory-only [--attention-model flash|xla|both]  # does each shape fit, CPU
 
 Throughput (tokens/s, MFU against a measured bf16 matmul peak, peak device memory), bf16 compute,
 flash attention (``train.attention_kernel=dot_product``: cuDNN on GPU), the ``gpu_overlap`` XLA
@@ -261,35 +261,38 @@ def run_variant(v: dict, steps: int, peak_flops: float, profile_dir: str = "") -
 
 def memory_variants(dry: bool) -> list[dict]:
     """The blocked path (the one a CUDA backend picks) at each throughput shape, as benched and
-    lean (``train.remat=save_dots``, ``train.ce_chunk_tokens=1024``)."""
+    with ``train.remat=save_dots``; ``train.ce_chunk_tokens`` is left ``auto`` as in the bench
+    (resolved for gpu by gpu_fit.memory_fit: 1024 at the full shapes)."""
     out = []
     for shape, sets in _throughput_shapes(dry).items():
         base = {**_COMMON, **sets, "moe.compute_path": "blocked", "train.attention_kernel": "dot_product"}
         out.append({"name": f"{shape}/blocked", "kind": "memory_fit", "preset": "mixtral-tiny" if shape == "coarse"
                     else "tiny", "sets": base})
-        out.append({"name": f"{shape}/blocked+save_dots+chunked_ce", "kind": "memory_fit",
+        out.append({"name": f"{shape}/blocked+save_dots", "kind": "memory_fit",
                     "preset": "mixtral-tiny" if shape == "coarse" else "tiny",
-                    "sets": {**base, "train.remat": "save_dots", "train.ce_chunk_tokens": 64 if dry else 1024}})
+                    "sets": {**base, "train.remat": "save_dots"}})
     return out
 
 
 def _memory_only(args) -> int:
     todo = [v for v in memory_variants(args.dry_run)
             if not args.only or any(v["name"].startswith(o) for o in args.only.split(","))]
+    models = gpu_fit.ATTENTION_MODELS if args.attention_model == "both" else (args.attention_model,)
     results = []
-    for v in todo:  # each in its own CPU process unless dry: a compile's host memory is returned
-        if args.dry_run:
-            rec = gpu_fit.memory_fit(v)
-        else:
-            rec = _run_script([os.path.abspath(__file__), "--memory-variant", json.dumps(v)], timeout=900,
-                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
-            rec = rec if "name" in rec else {"name": v["name"], "kind": "memory_fit", **rec}
-        results.append(rec)
-        print(gpu_fit.memory_line(rec), flush=True)
+    for v in todo:
+        for att in models:  # each in its own CPU process unless dry: a compile's host memory is returned
+            if args.dry_run:
+                rec = gpu_fit.memory_fit(v, att)
+            else:
+                rec = _run_script([os.path.abspath(__file__), "--memory-variant", json.dumps(v),
+                                   "--attention-model", att], timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                rec = rec if "name" in rec else {"name": v["name"], "kind": "memory_fit", "attention_model": att, **rec}
+            results.append(rec)
+            print(gpu_fit.memory_line(rec), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"memory_only": True, "dry_run": args.dry_run, "fit_bytes": gpu_fit.FIT_BYTES,
-                       "variants": results}, f, indent=2)
+                       "attention_models": list(models), "variants": results}, f, indent=2)
     return 0 if all("peak_bytes" in r for r in results) else 1
 
 
@@ -356,7 +359,7 @@ def _child(args) -> int:
     if args.measure_peak:
         rec = _header(False, args.xla_profile)
     elif args.memory_variant:
-        rec = gpu_fit.memory_fit(json.loads(args.memory_variant))
+        rec = gpu_fit.memory_fit(json.loads(args.memory_variant), args.attention_model)
     else:
         rec = run_variant(json.loads(args.variant), args.steps, args.peak, args.profile_dir)
     print("RESULT " + json.dumps(rec))
@@ -390,6 +393,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-only", action="store_true",
                    help="no timing: each shape's step lowered for CUDA and its compiled memory (XLA:CPU proxy), "
                         "the five largest allocations, against 48 GiB")
+    p.add_argument("--attention-model", default="flash", choices=(*gpu_fit.ATTENTION_MODELS, "both"),
+                   help="--memory-only: XLA:CPU's attention: flash (cuDNN's residuals), xla (S x S scores), both")
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--memory-variant", default="", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -472,26 +477,22 @@ def main(argv=None) -> int:
     return 0 if all("error" not in r for r in results) else 1
 
 
-def _gib(x) -> str:
-    return f"{x / 2**30:.2f} GiB" if isinstance(x, (int, float)) else "n/a"
-
-
 def _line(r: dict) -> str:
     if "skipped" in r or "error" in r:
         return f"{r['name']:36s} {'SKIPPED' if 'skipped' in r else 'ERROR'}: {r.get('skipped') or r.get('error')}"
     if r["kind"] == "torchtitan":
-        return (f"{r['name']:36s} {r['tokens_per_s']:10.0f} tok/s  peak mem {_gib(r['peak_device_bytes'])}  "
+        return (f"{r['name']:36s} {r['tokens_per_s']:10.0f} tok/s  peak mem {gpu_fit.gib(r['peak_device_bytes'])}  "
                 f"(torch {r['torch']}, {r['attention']} attention, compile {'on' if r['compile'] else 'off'}, "
                 f"first step {r['first_step_s']:.0f}s; loss {r['loss_first']:.3f} -> {r['loss_last']:.3f})")
     ma = r.get("memory_analysis_bytes")
-    temp = _gib(ma["temp"]) if isinstance(ma, dict) else "n/a"
+    temp = gpu_fit.gib(ma["temp"]) if isinstance(ma, dict) else "n/a"
     kc = r.get("kernel_check")
     check = ""
     if kc:
         worst = max(v for k, v in kc.items() if k not in ("rows", "finite"))
         check = f"; vs ragged_dot: max rel L2 {worst:.2e}{'' if kc['finite'] else ' NON-FINITE'}"
     return (f"{r['name']:36s} {r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu']:.3f}  peak mem "
-            f"{_gib(r['peak_device_bytes'])}  (XLA temp {temp}; compile {r['compile_s']:.0f}s; "
+            f"{gpu_fit.gib(r['peak_device_bytes'])}  (XLA temp {temp}; compile {r['compile_s']:.0f}s; "
             f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}{check})")
 
 

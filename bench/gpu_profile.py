@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import math
 import os
 import re
 
@@ -98,15 +99,37 @@ _ALLOC = re.compile(r"^\s*[\d.]+\w*\(\s*\d+%\);\s*([\d.]+)(\w+);\s*(\d+);\s*(\d+
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
+def _memory_report(dump_dir: str) -> str:
+    """The path of the compiled step's (the largest) ``*memory-usage-report.txt`` in ``dump_dir``."""
+    reports = glob.glob(os.path.join(dump_dir, "*memory-usage-report.txt"))
+    if not reports:
+        raise FileNotFoundError(f"no memory-usage report under {dump_dir}")
+    return max(reports, key=os.path.getsize)
+
+
+_SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]+)\]")
+
+
+def square_buffers(dump_dir: str, s: int, min_elements: int = 0) -> list[str]:
+    """The distinct buffer shapes of the compiled step (XLA's memory-usage report) whose last two
+    dims are ``[s, s]`` and that hold at least ``min_elements`` values: attention score stacks
+    (with ``min_elements`` = B x H x S x S, a ``[.., D, D]`` weight where D == S is not one)."""
+    with open(_memory_report(dump_dir)) as f:
+        text = f.read()
+    out = set()
+    for m in _SHAPE.finditer(text):
+        dims = [int(x) for x in m.group(1).split(",")]
+        if len(dims) >= 2 and dims[-2:] == [s, s] and math.prod(dims) >= min_elements:
+            out.add(m.group(0))
+    return sorted(out)
+
+
 def largest_allocations(dump_dir: str, top: int = 5) -> list[dict]:
     """The ``top`` largest allocations of the compiled step from XLA's
     ``*memory-usage-report.txt`` (written with ``xla_dump_to``): size and the shapes of the
     values that share it (XLA reuses one allocation for values whose live ranges do not meet)."""
-    reports = glob.glob(os.path.join(dump_dir, "*memory-usage-report.txt"))
-    if not reports:
-        raise FileNotFoundError(f"no memory-usage report under {dump_dir}")
     out = []
-    with open(max(reports, key=os.path.getsize)) as f:
+    with open(_memory_report(dump_dir)) as f:
         for line in f:
             m = _ALLOC.match(line)
             if m:
@@ -117,4 +140,4 @@ def largest_allocations(dump_dir: str, top: int = 5) -> list[dict]:
 
 
 __all__ = ["CATEGORIES", "category", "find_xplane", "kernel_times", "largest_allocations", "profile_table",
-           "summarize"]
+           "square_buffers", "summarize"]

@@ -128,19 +128,30 @@ def test_memory_only_dry_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
     out = tmp_path / "m.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--memory-only", "--only",
-                        "coarse/blocked+save_dots", "--json", str(out)],
+                        "coarse/blocked+save_dots", "--attention-model", "both", "--json", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    (v,) = json.loads(out.read_text())["variants"]
-    assert v["name"] == "coarse/blocked+save_dots+chunked_ce" and v["remat"] == "save_dots"
-    c = v["cuda_stablehlo"]  # lowered as on a GPU: cuDNN attention, no score tensor, no ragged_dot
-    assert c["cudnn_attention_calls"] >= 2 and c["score_tensors"] == [] and c["chlo_ragged_dot"] == 0, c
-    ma = v["memory_analysis_bytes"]
-    assert v["peak_bytes"] == ma["argument"] + ma["output"] - ma["alias"] + ma["temp"] > 0 and v["fits_48GB"]
-    top = v["top_allocations"]
-    assert len(top) == 5 and all(a["bytes"] > 0 and a["shapes"] for a in top)
-    assert [a["bytes"] for a in top] == sorted((a["bytes"] for a in top), reverse=True)
-    assert "fits in 48 GiB [XLA:CPU proxy]" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["attention_models"] == ["flash", "xla"]
+    assert [(x["name"], x["attention_model"]) for x in res["variants"]] == [
+        ("coarse/blocked+save_dots", "flash"), ("coarse/blocked+save_dots", "xla")]
+    for v in res["variants"]:
+        assert v["remat"] == "save_dots"
+        # the autos as a GPU run resolves them (the CPU rules would unroll the layer scan)
+        assert v["resolved"]["train.scan_unroll"] == 1 and v["resolved"]["train.ce_chunk_tokens"] == 0
+        assert v["resolved"]["train.attention_kernel"] == "dot_product" and "train.scan_unroll" in v["auto_fields"]
+        c = v["cuda_stablehlo"]  # lowered as on a GPU: cuDNN attention, no score tensor, no ragged_dot
+        assert c["cudnn_attention_calls"] >= 2 and c["score_tensors"] == [] and c["chlo_ragged_dot"] == 0, c
+        ma = v["memory_analysis_bytes"]
+        assert v["peak_bytes"] == ma["argument"] + ma["output"] - ma["alias"] + ma["temp"] > 0 and v["fits_48GB"]
+        top = v["top_allocations"]
+        assert len(top) == 5 and all(a["bytes"] > 0 and a["shapes"] for a in top)
+        assert [a["bytes"] for a in top] == sorted((a["bytes"] for a in top), reverse=True)
+    flash, xla = res["variants"]  # B x H x S x S scores: kept by XLA's attention, not by the stand-in
+    assert flash["cpu_score_buffers"] == [] and xla["cpu_score_buffers"], xla
+    assert flash["peak_bytes"] < xla["peak_bytes"]
+    assert "flash attention]" in r.stdout and "xla attention]" in r.stdout and "resolved for gpu:" in r.stdout
+    assert "fits in 48 GiB [XLA:CPU proxy, " in r.stdout
 
 
 def test_kernel_categories_and_allocation_report(tmp_path):
@@ -165,7 +176,58 @@ def test_kernel_categories_and_allocation_report(tmp_path):
         "  ------------------------------------------------------------\n"
         "    2.00GiB( 67%);    2.00GiB;            0;                6; f32[4,8,2048,4096], 5\u00d7f32[4,2048]\n"
         "    2.50GiB( 83%);  512.00MiB;   2147483648;                1; bf16[8,2048,16384]\n"
-        "    3.00GiB(100%);  512.00MiB;   2684354560;                2; 2\u00d7f32[32768,4096]\n")
+        "    3.00GiB( 97%);  512.00MiB;   2684354560;                2; 2\u00d7f32[32768,4096]\n"
+        "    3.09GiB(100%);   96.00MiB;   3221225472;                3; f32[2,4,1024,1024], 2\u00d7bf16[1024,1024]\n")
+    (tmp_path / "module_0002.jit_f.cpu_after_optimizations-memory-usage-report.txt").write_text(
+        "    1.00MiB(100%);    1.00MiB;            0;                1; f32[512,512]\n")  # smaller: not the step's
+    # [.., S, S] buffers (S = 1024); at the B x H x S x S floor the [D, D]-like one is not a score
+    assert gp.square_buffers(str(tmp_path), 1024) == ["bf16[1024,1024]", "f32[2,4,1024,1024]"]
+    assert gp.square_buffers(str(tmp_path), 1024, 2 * 4 * 1024 * 1024) == ["f32[2,4,1024,1024]"]
+    assert gp.square_buffers(str(tmp_path), 4096) == []  # [.., 2048, 4096] and [.., 32768, 4096] are not square
     top = gp.largest_allocations(str(tmp_path), 2)
     assert top == [{"bytes": 2 * 2**30, "values": 6, "shapes": "f32[4,8,2048,4096], 5\u00d7f32[4,2048]"},
                    {"bytes": 2**29, "values": 1, "shapes": "bf16[8,2048,16384]"}]
+
+
+def test_flash_memory_stand_in_keeps_no_scores(tmp_path):
+    """bench/gpu_fit.py's flash-attention memory model: the compiled (XLA:CPU) fwd+bwd holds no
+    ``[.., S, S]`` buffer, where XLA's own attention does (the check can fail), and its gradients
+    have the real attention's shapes and dtypes, with and without a mask (GQA: 4 query heads on 2
+    KV heads; S = 48 is no other dim here)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_fit
+    import gpu_profile
+    import jax
+    import jax.numpy as jnp
+
+    b, s, h, kv, d = 2, 48, 4, 2, 16
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (b, s, h, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, s, kv, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, s, kv, d), jnp.bfloat16)
+    seg = jnp.repeat(jnp.array([[1, 2], [1, 1]]), s // 2, axis=1)
+    mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+
+    def grads(attn, mask):
+        def loss(q, k, v):
+            out = attn(q, k, v, mask=mask, scale=d**-0.5, is_causal=True)
+            return jnp.sum(out.astype(jnp.float32) ** 2), out
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+    real, stand = jax.nn.dot_product_attention, gpu_fit.flash_memory_stand_in
+    for m in (None, mask):
+        (g_r, o_r), (g_s, o_s) = grads(real, m)(q, k, v), grads(stand, m)(q, k, v)
+        assert [(x.shape, x.dtype) for x in (o_s, *g_s)] == [(x.shape, x.dtype) for x in (o_r, *g_r)]
+        assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (o_s, *g_s))
+
+    def square_buffers(attn, tag):
+        dump = tmp_path / tag
+        jax.jit(grads(attn, None)).lower(q, k, v).compile(
+            compiler_options={"xla_dump_to": str(dump), "xla_dump_hlo_pass_re": "^$"})
+        return gpu_profile.square_buffers(str(dump), s)
+
+    assert square_buffers(real, "xla"), "XLA's attention should keep [.., S, S] scores"
+    assert square_buffers(stand, "flash") == []
+    with gpu_fit.attention_model("flash"):  # the step's attention call goes to the stand-in
+        assert jax.nn.dot_product_attention is stand
+    assert jax.nn.dot_product_attention is real
