@@ -5,9 +5,10 @@ XLA cannot compile for CUDA without a GPU (jax 0.10.2 here has no CUDA backend t
 so the figure is a proxy, said so in every record: the step is (1) lowered for CUDA as on a GPU
 (:func:`as_on_a_gpu`), to show what the GPU program holds -- cuDNN attention calls, no
 ``[.., S, S]`` score tensors, no ``chlo.ragged_dot`` -- and (2) compiled by XLA:CPU, whose
-``memory_analysis()`` and buffer assignment (the five largest allocations) are reported. The CPU
-program computes attention with XLA (its ``[B, KV, G, S, S]`` scores, which cuDNN never
-materialises) and fuses less than XLA:GPU, so its peak is an upper estimate of the GPU's.
+``memory_analysis()`` and buffer assignment (the five largest allocations, and any
+``[.., S, S]`` score buffer) are reported. XLA:CPU cannot call cuDNN: left alone it computes
+attention with XLA and keeps its ``[B, KV, G, S, S]`` scores, which cuDNN never materialises
+(the ``xla`` attention model below); by default a stand-in with cuDNN's footprint takes its place.
 
 The attention model of the XLA:CPU compile (``attention_model``, ``--attention-model``):
 
@@ -139,14 +140,12 @@ ATTENTION_NOTE = {"flash": "cuDNN flash attention's residuals (q, k, v, out, fp3
 
 
 def memory_fit(v: dict, attention: str = "flash") -> dict:
-    """The variant's bf16 train step (1) lowered for CUDA as on a GPU (cuDNN attention): its
-    StableHLO's cuDNN attention calls, ``[.., S, S]`` score tensors and ``chlo.ragged_dot`` ops;
-    (2) compiled by XLA:CPU -- XLA cannot compile for CUDA without a GPU, so the proxy for the
-    GPU's compiled memory is XLA:CPU's ``memory_analysis()`` of the same program, with XLA's
-    attention in place of cuDNN's (it keeps the ``[B, KV, G, S, S]`` scores cuDNN does not: an
-    upper bound on that part) -- and the five largest allocations of its buffer assignment.
-    ``attention``: the attention model of the CPU compile (module doc); ``flash`` puts a memory
-    stand-in with cuDNN flash attention's residuals in place of XLA's attention."""
+    """The variant's bf16 train step, its ``auto`` fields resolved for gpu, (1) lowered for CUDA
+    as on a GPU (cuDNN attention): its StableHLO's cuDNN attention calls, ``[.., S, S]`` score
+    tensors and ``chlo.ragged_dot`` ops; (2) compiled by XLA:CPU -- XLA cannot compile for CUDA
+    without a GPU, so the proxy for the GPU's compiled memory is XLA:CPU's ``memory_analysis()``
+    of the same step with attention modelled by ``attention`` (module doc: ``flash``, cuDNN's
+    residuals; ``xla``, XLA's scores) -- its five largest allocations and its score buffers."""
     import math
     import re
 
