@@ -189,7 +189,7 @@ def test_kernel_categories_and_allocation_report(tmp_path):
                    {"bytes": 2**29, "values": 1, "shapes": "bf16[8,2048,16384]"}]
 
 
-def test_flash_memory_stand_in_keeps_no_scores(tmp_path):
+def test_flash_memory_stand_in_keeps_no_scores(tmp_path, capsys):
     """bench/gpu_fit.py's flash-attention memory model: the compiled (XLA:CPU) fwd+bwd holds no
     ``[.., S, S]`` buffer, where XLA's own attention does (the check can fail), and its gradients
     have the real attention's shapes and dtypes, with and without a mask (GQA: 4 query heads on 2
@@ -219,6 +219,19 @@ def test_flash_memory_stand_in_keeps_no_scores(tmp_path):
         (g_r, o_r), (g_s, o_s) = grads(real, m)(q, k, v), grads(stand, m)(q, k, v)
         assert [(x.shape, x.dtype) for x in (o_s, *g_s)] == [(x.shape, x.dtype) for x in (o_r, *g_r)]
         assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (o_s, *g_s))
+
+    # the residuals saved for the backward: exactly cuDNN flash attention's (q, k, v, out, fp32
+    # [B, H, S] statistics), plus the additive [B, 1, S, S] bias in the compute dtype when masked
+    from jax.ad_checkpoint import print_saved_residuals
+
+    def saved(m):
+        capsys.readouterr()
+        print_saved_residuals(lambda q, k, v: jnp.sum(stand(q, k, v, mask=m).astype(jnp.float32)), q, k, v)
+        return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines())
+
+    flash = ["bf16[2,48,4,16]", "bf16[2,48,4,16]", "bf16[2,48,2,16]", "bf16[2,48,2,16]", "f32[2,4,48]"]
+    assert saved(None) == sorted(flash)
+    assert saved(mask) == sorted(flash + ["bf16[2,1,48,48]"])
 
     def square_buffers(attn, tag):
         dump = tmp_path / tag
