@@ -15,9 +15,10 @@ How a conversion runs (:func:`convert`):
    ``orbax:`` sink, which also checks free disk first); a sink that takes leaves slice by slice
    (``Sink.takes_views``) gets the source's lazy view (an ``orbax:`` source then reads one
    layer's / expert's slice at a time, one Zarr chunk in memory).
-   Where source and sink store a leaf's tensors as the same plain bytes under the same names
-   (``hf:`` <-> ``torch:``, ``hf:`` -> ``hf:`` resharded, same dtype and expert layout:
-   ``raw_tensors`` of both), the bytes are copied file to file inside the kernel
+   Where source and sink store a leaf's tensors as the same plain bytes (``raw_tensors`` of
+   both: under the same names, ``hf:`` <-> ``torch:``, ``hf:`` -> ``hf:`` resharded, same dtype
+   and expert layout; or by place in the leaf, ``hf:`` <-> ``dcp:``, see :func:`raw_copies`),
+   the bytes are copied file to file inside the kernel
    (:func:`~jaxmoe.port.safetensors_io.copy_bytes`, two copies in flight) and never enter this
    process: a conversion between safetensors files then runs at about the disk's speed.
 3. Carry the non-weight files (tokenizer*, generation_config.json, token ids; see
@@ -33,6 +34,7 @@ are :mod:`jaxmoe.port.cli`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -109,17 +111,63 @@ def _fsync_one(path: Path) -> None:
 
 
 def _raw_pairs(source, sink, key: str) -> list | None:
-    """(source tensor, sink tensor) byte ranges when leaf ``key`` can be copied as bytes: both
-    sides name the same tensors in the same naming, each with the same dtype and shape."""
-    if source.raw_names is None or source.raw_names != sink.raw_names:
+    """(source range, sink range) pairs when leaf ``key`` can be copied as bytes (see
+    :func:`raw_copies`); None when it cannot (then nothing of the sink was touched)."""
+    if source.raw_names is None or sink.raw_names is None:
         return None
-    src, dst = source.raw_tensors(key), sink.raw_tensors(key)
-    if src is None or dst is None or src.keys() != dst.keys():
+    src = source.raw_tensors(key)
+    if src is None:
         return None
-    pairs = [(src[n], dst[n]) for n in dst]
-    for a, b in pairs:
-        if (a.dtype, tuple(a.shape), a.nbytes) != (b.dtype, tuple(b.shape), b.nbytes):
+    dst = sink.raw_tensors(key)
+    if dst is None:
+        return None
+    return raw_copies(src, dst, same_names=source.raw_names == sink.raw_names)
+
+
+def raw_copies(src: dict, dst: dict, same_names: bool = False) -> list | None:
+    """The byte copies that turn the source tensors ``src`` into the sink tensors ``dst`` (both
+    ``{name: RawTensor}`` of one leaf), as ``(RawTensor, RawTensor)`` ranges of equal size;
+    None unless every byte of every tensor on both sides is covered exactly once.
+
+    ``same_names``: both sides use one naming (``hf:`` <-> ``torch:``), so tensors pair by
+    name, each with the same dtype and shape. Otherwise they pair by their place in the leaf:
+    a tensor ``leaf[i]`` (``RawTensor.index``) holds tensor ``leaf[i + j]`` of the other side at
+    row ``j`` of its leading dims when both have the same dtype and orientation (``transpose``)
+    and the smaller one's shape is the larger one's trailing dims -- e.g. HF expert ``e`` of
+    layer ``l`` ([F, D]) at byte ``e * F * D * itemsize`` of torchtitan's layer-``l`` ``[E, F,
+    D]`` tensor, or (the other way) the converse."""
+    def same(a, b):
+        return (np.dtype(a.dtype), tuple(a.shape), a.nbytes) == (np.dtype(b.dtype), tuple(b.shape), b.nbytes)
+
+    if same_names:
+        if src.keys() != dst.keys() or not all(same(src[n], dst[n]) for n in dst):
             return None
+        return [(src[n], dst[n]) for n in dst]
+    tensors = list(src.values()) + list(dst.values())
+    if any(t.index is None for t in tensors):
+        return None
+    pairs, got_src, got_dst = [], dict.fromkeys(src, 0), dict.fromkeys(dst, 0)
+    for sn, s in src.items():
+        for dn, d in dst.items():
+            k = min(len(s.index), len(d.index))
+            if tuple(s.index[:k]) != tuple(d.index[:k]):
+                continue
+            if np.dtype(s.dtype) != np.dtype(d.dtype) or s.transpose != d.transpose:
+                return None
+            small, big = (s, d) if len(s.index) >= len(d.index) else (d, s)
+            rows = tuple(small.index[len(big.index):])
+            lead = tuple(big.shape[:len(rows)])
+            if tuple(big.shape[len(rows):]) != tuple(small.shape) or any(
+                    r < 0 or r >= n for r, n in zip(rows, lead)):
+                return None
+            at = big.offset + (int(np.ravel_multi_index(rows, lead)) if rows else 0) * small.nbytes
+            part = dataclasses.replace(big, offset=at, nbytes=small.nbytes, shape=tuple(small.shape),
+                                       index=tuple(small.index))
+            pairs.append((s, part) if small is s else (part, d))
+            got_src[sn] += small.nbytes
+            got_dst[dn] += small.nbytes
+    if any(got_src[n] != src[n].nbytes for n in src) or any(got_dst[n] != dst[n].nbytes for n in dst):
+        return None
     return pairs
 
 
@@ -238,4 +286,4 @@ def load_numpy_tree(ep: Endpoint, dtype=np.float32):
     return source.cfg, tree.get("params", {}), tree.get("buffers", {})
 
 
-__all__ = ["convert", "load_numpy_tree"]
+__all__ = ["convert", "load_numpy_tree", "raw_copies"]

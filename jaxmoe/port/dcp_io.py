@@ -25,12 +25,9 @@ Pure Python + numpy (no torch): the ``dcp:`` format (:mod:`jaxmoe.port.formats.d
 from __future__ import annotations
 
 import io
-import mmap
-import os
 import pickle
 import struct
 import zipfile
-import zlib
 from pathlib import Path
 
 import ml_dtypes
@@ -204,39 +201,6 @@ class Window(io.RawIOBase):
         return got
 
 
-def fill_crc32(path: Path, start: int, length: int) -> None:
-    """Write the CRC-32 of every entry into the zip at ``[start, start + length)`` of ``path``
-    (one ``torch.save`` written with ``torch.serialization.set_crc32_options(False)``): into its
-    data descriptor and its central-directory record, where the zip keeps it (torch's writer
-    leaves the local header's at 0 either way). torch's own CRC-32 runs at ~130 MB/s here, zlib's
-    at several GB/s, so a ``dcp:`` sink saves without it and fills the sums in afterwards: the
-    bytes are then what a plain ``torch.save`` writes (up to its random serialization id)."""
-    with open(path, "r+b") as fh:
-        z = zipfile.ZipFile(Window(fh, start, length))
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        mm = mmap.mmap(fh.fileno(), start + length - base, access=mmap.ACCESS_READ, offset=base)
-        try:
-            view = memoryview(mm)
-            cd = start + z.start_dir
-            for info in z.infolist():
-                if info.compress_type != zipfile.ZIP_STORED or mm[cd - base:cd - base + 4] != b"PK\x01\x02":
-                    raise ValueError(f"{path}: unexpected zip layout at {cd}")
-                head = start + info.header_offset - base
-                name_len, extra_len = struct.unpack("<HH", mm[head + 26:head + 30])
-                data = head + 30 + name_len + extra_len
-                crc = struct.pack("<I", zlib.crc32(view[data:data + info.file_size]))
-                desc = data + info.file_size
-                if info.flag_bits & 0x08:  # a data descriptor follows the data
-                    at = desc + 4 if mm[desc:desc + 4] == b"PK\x07\x08" else desc
-                    os.pwrite(fh.fileno(), crc, base + at)
-                os.pwrite(fh.fileno(), crc, cd + 16)
-                n, m, k = struct.unpack("<HHH", mm[cd - base + 28:cd - base + 34])
-                cd += 46 + n + m + k
-            view.release()
-        finally:
-            mm.close()
-
-
 class Chunk:
     """One saved chunk of a tensor: global ``offsets``/``sizes`` and its bytes' place."""
 
@@ -389,7 +353,31 @@ class DcpDir:
                 return np.memmap(ch.file, dtype=dtype, mode="r", offset=ch.offset, shape=ch.sizes)
             return self._zip_chunk(fqn, ch, fh, dtype, n)
 
-    def _zip_chunk(self, fqn, ch: Chunk, fh, dtype, n) -> np.ndarray:
+    def place(self, fqn: str) -> tuple[Path, int, int] | None:
+        """(file, byte offset, byte count) of tensor ``fqn``'s values when they lie in one file as
+        plain C-order bytes (one chunk holding the whole tensor, saved raw or as ``torch.save``'s
+        stored zip with contiguous strides): what a byte-for-byte copy can take; else None."""
+        shape, dtype = self.shape(fqn), self.dtype(fqn)
+        chunks = self.chunks(fqn)
+        if len(chunks) != 1 or chunks[0].sizes != shape or any(chunks[0].offsets):
+            return None
+        ch, n = chunks[0], int(np.prod(shape, dtype=np.int64))
+        with open(ch.file, "rb") as fh:
+            fh.seek(ch.offset)
+            if fh.read(4) != b"PK\x03\x04":
+                return (ch.file, ch.offset, ch.length) if ch.length == n * dtype.itemsize else None
+            ref, start = self._zip_storage(fqn, ch, fh, dtype)
+        stride, acc = [], 1
+        for size in reversed(shape):
+            stride.append(acc)
+            acc *= max(size, 1)
+        if ref.offset != 0 or (n > 1 and tuple(ref.stride) != tuple(reversed(stride))):
+            return None
+        return ch.file, ch.offset + start, n * dtype.itemsize
+
+    def _zip_storage(self, fqn, ch: Chunk, fh, dtype) -> tuple[TensorRef, int]:
+        """The ``torch.save`` zip of one chunk: its tensor reference (checked against the
+        metadata) and where its storage bytes start, from the chunk's start."""
         what = f"{self.what}: tensor {fqn}"
         try:
             z = zipfile.ZipFile(Window(fh, ch.offset, ch.length))
@@ -421,6 +409,12 @@ class DcpDir:
         start = info.header_offset + 30 + name_len + extra_len
         if start + info.file_size > ch.length:
             raise UserError(f"{what}: its storage lies beyond the chunk's bytes")
+        return ref, start
+
+    def _zip_chunk(self, fqn, ch: Chunk, fh, dtype, n) -> np.ndarray:
+        what = f"{self.what}: tensor {fqn}"
+        ref, start = self._zip_storage(fqn, ch, fh, dtype)
+        numel = ref.storage[4]
         flat = np.memmap(ch.file, dtype=dtype, mode="r", offset=ch.offset + start, shape=(int(numel),))
         last = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride, strict=True)) if n else 0
         if ref.offset < 0 or any(st < 0 for st in ref.stride) or last >= max(numel, 1):
@@ -430,5 +424,5 @@ class DcpDir:
             writeable=False)
 
 
-__all__ = ["ALLOWED", "DTYPES", "TRAINING_STATE", "Chunk", "DcpDir", "Record", "SafeUnpickler", "fill_crc32",
+__all__ = ["ALLOWED", "DTYPES", "TRAINING_STATE", "Chunk", "DcpDir", "Record", "SafeUnpickler",
            "safe_loads", "shape_text"]

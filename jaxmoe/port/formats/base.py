@@ -166,7 +166,8 @@ class Source:
         """Where leaf ``key``'s tensors lie as plain bytes in files, by tensor name in the
         :attr:`raw_names` naming, when the leaf is exactly those tensors unchanged (no cast,
         no dequantisation); None otherwise. A sink with the same naming that stores the same
-        bytes then gets them copied file to file (:func:`jaxmoe.port.convert.convert`)."""
+        bytes, or one of another naming whose tensors carry their leaf ``index`` too, then gets
+        them copied file to file (:func:`jaxmoe.port.convert.raw_copies`)."""
         return None
 
     def close(self) -> None:
@@ -182,13 +183,20 @@ class Source:
 @dataclass(frozen=True)
 class RawTensor:
     """One tensor stored as plain little-endian C-order bytes: ``nbytes`` at ``offset`` of
-    ``file``, of ``dtype`` and ``shape`` (a safetensors tensor, say)."""
+    ``file``, of ``dtype`` and ``shape`` (a safetensors tensor, say).
+
+    ``index`` (when known) is the tensor's place in its jaxmoe leaf -- it is ``leaf[index]``,
+    with its last two dims swapped when ``transpose`` -- so tensors of two namings can still be
+    matched byte range to byte range (``hf:`` per-expert ``[F, D]`` tensors are the rows of a
+    torchtitan ``[E, F, D]`` one): :func:`jaxmoe.port.convert.raw_copies`."""
 
     file: Path
     offset: int
     nbytes: int
     dtype: np.dtype
     shape: tuple[int, ...]
+    index: tuple[int, ...] | None = None
+    transpose: bool = False
 
 
 class Sink:
@@ -211,9 +219,10 @@ class Sink:
     raw_names: ClassVar[str | None] = None
 
     def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
-        """Where leaf ``key``'s tensors go as plain bytes (pre-sized files), by tensor name,
-        when the sink stores them unchanged; None otherwise. :meth:`raw_written` is called once
-        the bytes are there instead of :meth:`write_leaf`."""
+        """Where leaf ``key``'s tensors go as plain bytes (pre-sized files, or ranges the sink
+        fills around afterwards), by tensor name, when the sink stores them unchanged; None
+        otherwise. Asking writes nothing; :meth:`raw_written` is called once the bytes are
+        there instead of :meth:`write_leaf` (a sink that is asked and not told keeps no trace)."""
         return None
 
     def raw_written(self, key: str) -> None:

@@ -15,8 +15,13 @@ Writing (:class:`DcpSink`, needs torch: the bytes are torch's own) produces the 
 torchtitan's ``CheckpointManager`` loads (``checkpoint.initial_load_path`` with
 ``initial_load_model_only``) and ``torch.distributed.checkpoint.load`` restores into the flavor's
 state dict: one ``__0_0.distcp`` holding each torchtitan tensor as the bytes ``torch.save`` writes
-(what DCP's ``FileSystemWriter`` writes), written as its leaf arrives, then ``.metadata`` pickled
-from DCP's own metadata classes. A config without an expert bias gets all-zero
+(what DCP's ``FileSystemWriter`` writes; laid out by :class:`jaxmoe.port.torch_save.TensorZip`,
+not by ``torch.save``), written as its leaf arrives, then ``.metadata`` pickled from DCP's own
+metadata classes. Where a leaf's tensors lie as the same plain bytes in the source (``hf:`` /
+``torch:`` per-expert tensors inside a torchtitan ``[E, F, D]`` tensor, a ``dcp:`` source's
+one-chunk tensors; same dtype and orientation), both sides give their byte ranges
+(``raw_tensors``, positioned by leaf index) and ``convert`` copies them file to file; the sink then
+fills in each zip's CRC-32 and closing records. A config without an expert bias gets all-zero
 ``moe.expert_bias_E`` tensors (torchtitan keeps that buffer whenever its flavor sets
 ``load_balance_coeff``, also for softmax routers; a model without it ignores them).
 
@@ -33,7 +38,10 @@ data loader writes. A torchtitan trainer *with* a data loader loads it with
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +50,11 @@ from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import titan_map
-from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir, fill_crc32
-from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, Sink, Source, shape_text
+from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
+from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, RawTensor, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into, transposed
 from jaxmoe.port.safetensors_io import start_writeback
+from jaxmoe.port.torch_save import TensorZip, crc32_of, pwrite_all
 
 # --------------------------------------------------------------------------------------------
 # The source
@@ -132,6 +141,21 @@ class DcpSource(Source):
     def keys(self) -> list[str]:
         return list(self.groups)
 
+    raw_names = "titan"
+
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
+        """Each torchtitan tensor of leaf ``key`` as a plain byte range of its shard file, with its
+        leaf index and orientation; None when one is in several chunks (a multi-rank save) or
+        strided, or (a buffer) not fp32."""
+        out = {}
+        for ent in self.groups[key]:
+            place = self.dir.place(ent.name) if not ent.qkv else None
+            dtype = self.dir.dtype(ent.name)
+            if place is None or (key.startswith("buffers/") and dtype != np.float32):
+                return None
+            out[ent.name] = RawTensor(place[0], place[1], place[2], dtype, ent.shape, ent.index, ent.transpose)
+        return out
+
     def leaf_dtype(self, key: str) -> np.dtype:
         if key.startswith("buffers/"):
             return np.dtype(np.float32)
@@ -215,17 +239,23 @@ class DcpSink(Sink):
 
     takes_views = True  # only ``arr[layer]`` is read: a lazy source view never holds the leaf
 
-    def __init__(self, target: Path, cfg: Config, with_optimizer: bool = False):
+    raw_names = "titan"
+
+    def __init__(self, target: Path, cfg: Config, dtypes: dict | None = None, with_optimizer: bool = False):
         self.torch = _torch()
         self.target, self.cfg, self.with_optimizer = target, cfg, with_optimizer
+        self.dtypes = dict(dtypes or {})
         self.groups: dict[str, list[titan_map.TitanEntry]] = {}
         for ent in titan_map.titan_entries(cfg, split_qkv=True):
             self.groups.setdefault(ent.key, []).append(ent)
-        self.written: dict[str, tuple[tuple, object, int, int]] = {}  # name -> shape, dtype, offset, length
+        self.written: dict[str, tuple[tuple, np.dtype, int, int]] = {}  # name -> shape, dtype, offset, length
         self.items: dict[str, tuple[int, int]] = {}  # byte item name -> offset, length
         self.source = None
+        self._plans: dict[str, list[tuple[titan_map.TitanEntry, TensorZip, int]]] = {}
         target.mkdir(parents=True)
-        self.file = open(target / DATA_FILE, "wb")
+        self.path = target / DATA_FILE
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.end = 0  # where the next entry starts
 
     def use_source(self, source) -> None:
         """With ``--with-optimizer``: the source must be a jaxmoe training checkpoint with AdamW
@@ -293,35 +323,57 @@ class DcpSink(Sink):
         self._write_item("dataloader", None)
 
     def _write_item(self, name: str, value) -> None:
-        at = self.file.tell()
-        self.torch.save(value, self.file)
-        self.items[name] = (at, self.file.tell() - at)
+        buf = io.BytesIO()
+        self.torch.save(value, buf)  # a small plain value: torch's own bytes
+        pwrite_all(self.fd, buf.getbuffer(), self.end)
+        self.items[name] = (self.end, buf.tell())
+        self.end += buf.tell()
 
     def write_leaf(self, key: str, arr) -> None:
         for ent in self.groups[key]:
             self._write(ent.name, titan_map.titan_part(np.asarray(arr[ent.index]), ent))
 
     def _write(self, name: str, a: np.ndarray) -> None:
-        torch = self.torch
         a = np.asarray(a)
         if a.ndim >= 2 and not a.flags.c_contiguous and np.swapaxes(a, -1, -2).flags.c_contiguous:
             a = transposed(np.swapaxes(a, -1, -2))  # a transposed leaf slice: tiled copy
         a = np.array(a, order="C", copy=not a.flags.c_contiguous)  # ascontiguousarray makes 0-d 1-d
-        if a.dtype == DTYPES["bfloat16"]:
-            t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        else:
-            t = torch.from_numpy(a)
-        at = self.file.tell()
-        crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)  # torch's CRC-32 is slow: fill_crc32 below
-        try:
-            torch.save(t, self.file)
-        finally:
-            torch.serialization.set_crc32_options(crc)
-        self.file.flush()
-        fill_crc32(self.target / DATA_FILE, at, self.file.tell() - at)
-        start_writeback(self.file.fileno(), at, self.file.tell() - at)
-        self.written[name] = (tuple(a.shape), t.dtype, at, self.file.tell() - at)
+        z, at = TensorZip(a.dtype, a.shape), self.end
+        data = a.reshape(-1).view(np.uint8) if a.size else b""
+        pwrite_all(self.fd, z.head, at)
+        pwrite_all(self.fd, data, at + z.data_offset)
+        pwrite_all(self.fd, z.tail(zlib.crc32(data)), at + z.data_offset + z.nbytes)
+        start_writeback(self.fd, at, z.length)
+        self.written[name] = (tuple(a.shape), a.dtype, at, z.length)
+        self.end = at + z.length
+
+    def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
+        """Where leaf ``key``'s torchtitan tensors' values will lie in the shard file (placed
+        from the current end on, nothing written yet), by name, with their leaf index and
+        orientation: ``convert`` copies source bytes there, then calls :meth:`raw_written`."""
+        dtype = self.dtypes.get(key)
+        if dtype is None or any(ent.qkv for ent in self.groups[key]):
+            return None
+        out, plan, at = {}, [], self.end
+        for ent in self.groups[key]:
+            z = TensorZip(dtype, ent.shape)
+            plan.append((ent, z, at))
+            out[ent.name] = RawTensor(self.path, at + z.data_offset, z.nbytes, np.dtype(dtype), ent.shape,
+                                      ent.index, ent.transpose)
+            at += z.length
+        self._plans[key] = plan
+        return out
+
+    def raw_written(self, key: str) -> None:
+        """The values of leaf ``key``'s tensors are in place: write each zip around them (its
+        headers, then the CRC-32 of the values as read back, and the closing records)."""
+        for ent, z, at in self._plans.pop(key):
+            pwrite_all(self.fd, z.head, at)
+            crc = crc32_of(self.fd, at + z.data_offset, z.nbytes)
+            pwrite_all(self.fd, z.tail(crc), at + z.data_offset + z.nbytes)
+            start_writeback(self.fd, at, z.length)
+            self.written[ent.name] = (ent.shape, np.dtype(self.dtypes[key]), at, z.length)
+            self.end = at + z.length
 
     def finish(self) -> None:
         m = self.cfg.model
@@ -330,16 +382,17 @@ class DcpSink(Sink):
                 self._write(f"layers.{layer}.{EXPERT_BIAS}", np.zeros(self.cfg.moe.n_experts, np.float32))
         if self.source is not None:
             self._write_optimizer()
-        self.file.close()
+        os.close(self.fd)
         import torch.distributed.checkpoint.filesystem as fs  # late: torch
         import torch.distributed.checkpoint.metadata as dm
 
         torch = self.torch
+        names = {np.dtype(dt): name for name, dt in DTYPES.items()}
         sdm, storage = {}, {}
         for name, (shape, dtype, at, length) in self.written.items():
             zeros = torch.Size([0] * len(shape))
             sdm[name] = dm.TensorStorageMetadata(
-                properties=dm.TensorProperties(dtype=dtype), size=torch.Size(shape),
+                properties=dm.TensorProperties(dtype=getattr(torch, names[np.dtype(dtype)])), size=torch.Size(shape),
                 chunks=[dm.ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(shape))])
             storage[dm.MetadataIndex(name, zeros, 0)] = fs._StorageInfo(DATA_FILE, at, length)
         for name, (at, length) in self.items.items():
@@ -377,7 +430,7 @@ class DcpFormat(Format):
 
     @classmethod
     def open_sink(cls, ep: Endpoint, target: Path, cfg: Config, dtypes: dict, log) -> DcpSink:
-        return DcpSink(target, cfg, with_optimizer=bool(ep.options.get("with_optimizer")))
+        return DcpSink(target, cfg, dtypes, with_optimizer=bool(ep.options.get("with_optimizer")))
 
     @classmethod
     def is_output(cls, path: Path) -> bool:

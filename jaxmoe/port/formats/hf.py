@@ -162,10 +162,10 @@ class HfTensorSource(Source):
     def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:  # None for fused / FP8
         out = {}
         for ent in self.groups[key]:
-            info = self.reader.infos[ent.hf_name]
-            if ent.hf_part is not None or info.dtype == FP8:
+            t = self.reader.infos[ent.hf_name]
+            if ent.hf_part is not None or t.dtype == FP8:
                 return None
-            out[ent.hf_name] = RawTensor(info.file, info.offset, info.nbytes, info.dtype, info.shape)
+            out[ent.hf_name] = RawTensor(t.file, t.offset, t.nbytes, t.dtype, t.shape, ent.index, ent.transpose)
         return out
 
     def leaf_dtype(self, key: str) -> np.dtype:
@@ -422,7 +422,7 @@ class HfTensorSink(Sink):
             p = self.writer.planned[ent.hf_name]
             if ent.hf_part is not None or p.written:
                 return None
-            out[ent.hf_name] = RawTensor(p.file, p.offset, p.nbytes, p.dtype, p.shape)
+            out[ent.hf_name] = RawTensor(p.file, p.offset, p.nbytes, p.dtype, p.shape, ent.index, ent.transpose)
         return out
 
     def raw_written(self, key: str) -> None:

@@ -1,0 +1,128 @@
+"""Writing ``dcp:`` without ``torch.save``: the zip :class:`jaxmoe.port.torch_save.TensorZip`
+lays out is torch's byte for byte, and ``convert.raw_copies`` pairs byte ranges of two namings by
+their place in the leaf (hf per-expert tensors <-> torchtitan stacked ones) or refuses."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxmoe.port.convert import raw_copies
+from jaxmoe.port.formats.base import RawTensor
+from jaxmoe.port.torch_save import TensorZip, crc32_of, pwrite_all, tensor_pickle
+
+DATA = Path(__file__).parent / "data"
+
+
+def _zip_bytes(a: np.ndarray, serial: bytes | None = None) -> bytes:
+    z = TensorZip(a.dtype, a.shape)
+    raw = a.reshape(-1).view(np.uint8).tobytes() if a.size else b""
+    out = z.head + raw + z.tail(zlib.crc32(raw), serial=serial)
+    assert len(out) == z.length and len(z.head) == z.data_offset and z.data_offset % 64 == 0
+    return out
+
+
+CASES = [((3, 4), np.float32), ((), np.float32), ((5,), ml_dtypes.bfloat16), ((2, 3, 4, 5), np.float32),
+         ((300, 700), np.float32), ((0, 4), np.float32), ((1, 1, 7), np.int64), ((4, 64, 32), ml_dtypes.bfloat16),
+         ((70000,), np.float16)]
+
+
+@pytest.mark.parametrize("shape,dtype", CASES, ids=[f"{s}-{np.dtype(d).name}" for s, d in CASES])
+def test_tensor_zip_is_torch_save_byte_for_byte(shape, dtype):
+    torch = pytest.importorskip("torch")
+    a = (np.arange(int(np.prod(shape))) % 251).astype(np.float32).astype(dtype).reshape(shape)
+    bf16 = a.dtype == ml_dtypes.bfloat16
+    t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(a)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    ref = buf.getvalue()
+    serial = zipfile.ZipFile(io.BytesIO(ref)).read("archive/.data/serialization_id")
+    mine = _zip_bytes(a, serial)
+    assert mine == ref
+    back = torch.load(io.BytesIO(_zip_bytes(a)), weights_only=True)  # a fresh random id loads too
+    assert tuple(back.shape) == shape and back.dtype == t.dtype and torch.equal(back, t)
+    assert zipfile.ZipFile(io.BytesIO(mine)).testzip() is None  # every CRC-32 right
+
+
+def test_tensor_zip_zip64_matches_torch():
+    """A >= 4 GiB storage (zip64 extra fields, 24-byte descriptors, offsets past 4 GiB): head and
+    tail against what torch.save wrote for one (recorded in tests/data: 4 GiB is too big to make here)."""
+    rec = json.loads((DATA / "torch_save_zip64.json").read_text())
+    z = TensorZip(np.uint8, (rec["numel"],))
+    assert z.length == rec["file_size"]
+    assert z.head == bytes.fromhex(rec["head_hex"])
+    tail = bytes.fromhex(rec["tail_hex"])
+    crc = int.from_bytes(tail[4:8], "little")
+    serial = tail[tail.rfind(b"ZZ") + 2:][:40]
+    assert z.tail(crc, serial=serial) == tail
+
+
+def test_tensor_pickle_reads_back_with_the_safe_reader():
+    from jaxmoe.port.dcp_io import TensorRef, safe_loads
+
+    ref = safe_loads(tensor_pickle(ml_dtypes.bfloat16, (3, 70000, 2)), "test")
+    assert isinstance(ref, TensorRef) and ref.size == (3, 70000, 2) and ref.stride == (140000, 2, 1)
+    assert str(ref.storage[1]) == "bfloat16" and ref.storage[4] == 3 * 70000 * 2
+
+
+def test_pwrite_all_and_crc32_of(tmp_path):
+    import os
+
+    data = np.random.default_rng(0).integers(0, 255, 3_000_000, dtype=np.uint8)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        pwrite_all(fd, data, 100)
+        assert crc32_of(fd, 100, data.size, block=1 << 20) == zlib.crc32(data)
+    finally:
+        os.close(fd)
+
+
+def _rt(name, off, shape, index, transpose=True, dtype=np.float32):
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return RawTensor(Path(name), off, n, np.dtype(dtype), tuple(shape), index, transpose)
+
+
+def test_raw_copies_hf_experts_into_a_titan_layer_and_back():
+    E, F, D = 3, 4, 2
+    hf = {f"l1.e{e}": _rt("hf", 1000 * e, (F, D), (1, e)) for e in range(E)}
+    titan = {"layers.1.w1": _rt("dcp", 64, (E, F, D), (1,))}
+    pairs = raw_copies(hf, titan)
+    got = sorted((a.file.name, a.offset, b.file.name, b.offset, a.nbytes) for a, b in pairs)
+    assert got == [("hf", 1000 * e, "dcp", 64 + e * F * D * 4, F * D * 4) for e in range(E)]
+    back = raw_copies(titan, hf)  # the converse: rows of the titan tensor into the hf files
+    assert sorted((a.offset, b.offset) for a, b in back) == [(64 + e * F * D * 4, 1000 * e) for e in range(E)]
+
+
+@pytest.mark.parametrize("why", ["transpose", "dtype", "missing_expert", "shape", "no_index", "extra_row"])
+def test_raw_copies_refuses_what_is_not_the_same_bytes(why):
+    E, F, D = 2, 4, 2
+    hf = {f"e{e}": _rt("hf", 100 * e, (F, D), (0, e)) for e in range(E)}
+    titan = {"w1": _rt("dcp", 0, (E, F, D), (0,))}
+    if why == "transpose":
+        hf["e1"] = _rt("hf", 100, (F, D), (0, 1), transpose=False)
+    elif why == "dtype":
+        titan = {"w1": _rt("dcp", 0, (E, F, D), (0,), dtype=ml_dtypes.bfloat16)}
+    elif why == "missing_expert":
+        del hf["e1"]
+    elif why == "shape":
+        hf["e1"] = _rt("hf", 100, (D, F), (0, 1))
+    elif why == "no_index":
+        hf["e1"] = RawTensor(Path("hf"), 100, F * D * 4, np.dtype(np.float32), (F, D))
+    elif why == "extra_row":
+        hf["e2"] = _rt("hf", 200, (F, D), (0, 2))
+    assert raw_copies(hf, titan) is None
+
+
+def test_raw_copies_same_names_pairs_by_name():
+    a = {"x": _rt("a", 0, (2, 2), None), "y": _rt("a", 16, (3,), None)}
+    b = {"x": _rt("b", 8, (2, 2), None), "y": _rt("b", 0, (3,), None)}
+    assert [(p.offset, q.offset) for p, q in raw_copies(a, b, same_names=True)] == [(0, 8), (16, 0)]
+    b["y"] = _rt("b", 0, (4,), None)
+    assert raw_copies(a, b, same_names=True) is None
