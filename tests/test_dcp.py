@@ -266,10 +266,15 @@ def test_a_run_trained_in_jaxmoe_goes_back_to_torchtitan(one_rank, tmp_path, cap
         assert np.array_equal(got[k], a), k
         moved += not np.array_equal(a, ref[k])
     assert moved > len(want) // 2  # the weights trained in jaxmoe, not the initial ones
-    # without torch, writing dcp: is one line naming the extra, before anything is written
+    # without torch a model-only dcp: is still written (the same tensors: jaxmoe lays out torch's
+    # bytes itself); the training state (--with-optimizer) needs torch: one line naming the extra,
+    # before anything is written
     monkeypatch.setitem(sys.modules, "torch", None)
     capsys.readouterr()
-    rc = main(["convert", "--from", f"orbax:{run}", "--to", f"dcp:{tmp_path}/no"])
+    assert main(["convert", "--from", f"orbax:{run}", "--to", f"dcp:{tmp_path}/notorch"]) == 0
+    again = DcpDir(tmp_path / "notorch", "t")
+    assert all(np.array_equal(again.read(k), got[k]) for k in want)
+    rc = main(["convert", "--from", f"orbax:{run}", "--to", f"dcp:{tmp_path}/no", "--with-optimizer"])
     assert rc == 2 and "pip install" in _one_line(capsys) and not (tmp_path / "no").exists()
 
 

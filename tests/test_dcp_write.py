@@ -126,3 +126,34 @@ def test_raw_copies_same_names_pairs_by_name():
     assert [(p.offset, q.offset) for p, q in raw_copies(a, b, same_names=True)] == [(0, 8), (16, 0)]
     b["y"] = _rt("b", 0, (4,), None)
     assert raw_copies(a, b, same_names=True) is None
+
+
+def test_metadata_pickle_equals_torchs_own():
+    """.metadata written without torch unpickles (with torch) to the Metadata torch's classes build,
+    and the safe reader reads it."""
+    pickle = pytest.importorskip("pickle")
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as dm
+
+    from jaxmoe.port.dcp_io import safe_loads
+    from jaxmoe.port.dcp_meta import metadata_bytes
+
+    z = torch.Size([0, 0])
+    shapes = {"a.w": ((2, 3), torch.bfloat16, "bfloat16", 0, 100), "b": ((), torch.float32, "float32", 100, 50)}
+    sdm, st = {}, {}
+    for n, (shape, dt, _, at, ln) in shapes.items():
+        zeros = torch.Size([0] * len(shape))
+        sdm[n] = dm.TensorStorageMetadata(properties=dm.TensorProperties(dtype=dt), size=torch.Size(shape),
+                                          chunks=[dm.ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(shape))])
+        st[dm.MetadataIndex(n, zeros, 0)] = fs._StorageInfo("f.distcp", at, ln)
+    sdm["lr_scheduler.last_epoch"] = dm.BytesStorageMetadata()
+    st[dm.MetadataIndex("lr_scheduler.last_epoch")] = fs._StorageInfo("f.distcp", 150, 9)
+    planner = {"a.w": ("a.w",), "b": ("b",), "lr_scheduler.last_epoch": ("lr_scheduler", "last_epoch")}
+    ref = dm.Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=st, version=fs.CURRENT_DCP_VERSION)
+    raw = metadata_bytes({n: (name, shape, at, ln) for n, (shape, _, name, at, ln) in shapes.items()},
+                         {"lr_scheduler.last_epoch": (150, 9)}, planner, "f.distcp")
+    assert pickle.loads(raw) == ref
+    assert z == torch.Size([0, 0])
+    md = safe_loads(raw, "test")
+    assert md.kind == "Metadata" and set(md.state_dict_metadata) == set(planner)

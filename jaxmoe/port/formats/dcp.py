@@ -11,7 +11,8 @@ torchtitan ``FAMILY/FLAVOR`` (e.g. ``deepseek_v3/debugmodel``) or a jaxmoe prese
 Tensors are read one at a time: a leaf is assembled from its torchtitan tensors, each from its
 chunks, so memory holds about one tensor plus the leaf being filled.
 
-Writing (:class:`DcpSink`, needs torch: the bytes are torch's own) produces the model-only step
+Writing (:class:`DcpSink`; torch only for ``--with-optimizer``'s plain items: tensors are laid out
+by :mod:`jaxmoe.port.torch_save`, ``.metadata`` by :mod:`jaxmoe.port.dcp_meta`) produces the model-only step
 torchtitan's ``CheckpointManager`` loads (``checkpoint.initial_load_path`` with
 ``initial_load_model_only``) and ``torch.distributed.checkpoint.load`` restores into the flavor's
 state dict: one ``__0_0.distcp`` holding each torchtitan tensor as the bytes ``torch.save`` writes
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import zlib
 from pathlib import Path
 
@@ -51,6 +51,7 @@ from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import titan_map
 from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
+from jaxmoe.port.dcp_meta import metadata_bytes
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, RawTensor, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into, transposed
 from jaxmoe.port.safetensors_io import start_writeback
@@ -242,7 +243,6 @@ class DcpSink(Sink):
     raw_names = "titan"
 
     def __init__(self, target: Path, cfg: Config, dtypes: dict | None = None, with_optimizer: bool = False):
-        self.torch = _torch()
         self.target, self.cfg, self.with_optimizer = target, cfg, with_optimizer
         self.dtypes = dict(dtypes or {})
         self.groups: dict[str, list[titan_map.TitanEntry]] = {}
@@ -324,7 +324,7 @@ class DcpSink(Sink):
 
     def _write_item(self, name: str, value) -> None:
         buf = io.BytesIO()
-        self.torch.save(value, buf)  # a small plain value: torch's own bytes
+        _torch().save(value, buf)  # a small plain value (--with-optimizer): torch's own bytes
         pwrite_all(self.fd, buf.getbuffer(), self.end)
         self.items[name] = (self.end, buf.tell())
         self.end += buf.tell()
@@ -383,28 +383,14 @@ class DcpSink(Sink):
         if self.source is not None:
             self._write_optimizer()
         os.close(self.fd)
-        import torch.distributed.checkpoint.filesystem as fs  # late: torch
-        import torch.distributed.checkpoint.metadata as dm
-
-        torch = self.torch
         names = {np.dtype(dt): name for name, dt in DTYPES.items()}
-        sdm, storage = {}, {}
-        for name, (shape, dtype, at, length) in self.written.items():
-            zeros = torch.Size([0] * len(shape))
-            sdm[name] = dm.TensorStorageMetadata(
-                properties=dm.TensorProperties(dtype=getattr(torch, names[np.dtype(dtype)])), size=torch.Size(shape),
-                chunks=[dm.ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(shape))])
-            storage[dm.MetadataIndex(name, zeros, 0)] = fs._StorageInfo(DATA_FILE, at, length)
-        for name, (at, length) in self.items.items():
-            sdm[name] = dm.BytesStorageMetadata()
-            storage[dm.MetadataIndex(name)] = fs._StorageInfo(DATA_FILE, at, length)
+        tensors = {n: (names[np.dtype(dt)], shape, at, length) for n, (shape, dt, at, length) in self.written.items()}
         # the state-dict path of each entry, as torchtitan's save records it: model tensors flat,
         # training state under its top-level key ("optimizer", "state.<fqn>.exp_avg")
-        planner = {n: (tuple(n.split(".", 1)) if n.split(".", 1)[0] in TRAINING_STATE else (n,)) for n in sdm}
-        md = dm.Metadata(state_dict_metadata=sdm, planner_data=planner,
-                         storage_data=storage, version=fs.CURRENT_DCP_VERSION)
-        with open(self.target / ".metadata", "wb") as f:
-            pickle.dump(md, f)
+        planner = {n: (tuple(n.split(".", 1)) if n.split(".", 1)[0] in TRAINING_STATE else (n,))
+                   for n in list(tensors) + list(self.items)}
+        with open(self.target / ".metadata", "wb") as f:  # DCP's Metadata, pickled without torch
+            f.write(metadata_bytes(tensors, self.items, planner, DATA_FILE))
         self.tensors = len(self.written)
 
 
@@ -426,7 +412,8 @@ class DcpFormat(Format):
 
     @classmethod
     def check_sink(cls, ep: Endpoint) -> None:
-        _torch()
+        if ep.options.get("with_optimizer"):  # its plain items are torch.save'd; the weights never need torch
+            _torch()
 
     @classmethod
     def open_sink(cls, ep: Endpoint, target: Path, cfg: Config, dtypes: dict, log) -> DcpSink:
