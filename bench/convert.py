@@ -11,15 +11,15 @@
 2. Builds a Qwen3-MoE-layout config whose fp32 weights total about ``--gb`` GB (the layer count
    is scaled to hit the size) and writes a random HF checkpoint for it (sharded at 1GB).
 3. Runs each conversion route in a fresh subprocess (``jaxmoe convert``); the route's time counts
-   from after the imports every conversion needs (jaxmoe, jax, Orbax; torch for ``dcp:`` is
-   imported inside the timing) until its output is on disk: the child's conversion, then an
+   from after the imports every conversion needs (jaxmoe, jax, Orbax; no route here imports
+   torch: ``dcp:`` is read and written without it) until its output is on disk: the child's conversion, then an
    ``fsync`` of every file it wrote (a conversion that already synced makes that free; one that
    did not pays its writeback there, so every route is timed to durable bytes). Before each
    route the source's files are ``fsync``'d and dropped from the page cache
    (``posix_fadvise(DONTNEED)``, which needs no root), so the source is read from disk. The
    child reports its own peak RSS (``VmHWM``: ``getrusage``'s ``ru_maxrss`` survives ``exec``).
    Routes: hf -> torch, torch -> hf (1GB shards), hf -> orbax, orbax -> hf, hf -> dcp,
-   dcp -> hf, dcp -> orbax, orbax -> dcp (dcp needs torch), and with transformers
+   dcp -> hf, dcp -> orbax, orbax -> dcp, and with transformers
    ``hf -> orbax --verify --verify-layers 1`` (not a throughput route: it also runs two models).
 4. Prints each route's MB/s (model bytes / seconds) and its ratio to the disk, peak RSS next to
    the largest leaf (a stacked expert weight ``[Lm, E, D, I]``) and the largest per-layer tensor
@@ -222,15 +222,14 @@ def main() -> None:
               f"{per_layer / 1e6:.0f} MB")
         base = run_child([])
         print(f"baseline child RSS (python + jaxmoe, jax, Orbax imports): "
-              f"{base['peak_rss'] / 1e6:.0f} MB (dcp routes also import torch, --verify "
-              "transformers)")
+              f"{base['peak_rss'] / 1e6:.0f} MB (--verify also imports "
+              "transformers and torch)")
         import importlib.util
 
         has_torch = importlib.util.find_spec("torch") is not None
-        if has_torch:
-            from jaxmoe.config import config_to_toml
+        from jaxmoe.config import config_to_toml
 
-            (work / "model.toml").write_text(config_to_toml(cfg))
+        (work / "model.toml").write_text(config_to_toml(cfg))
         titan = ["--titan", f"{work}/model.toml"]
         # (name, source path, argv, output, kept for a later route)
         steps = [("hf -> torch", "hf", ["--from", f"hf:{work}/hf", "--to", f"torch:{work}/m.safetensors"],
@@ -241,14 +240,14 @@ def main() -> None:
                  ("hf -> orbax", "hf", ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run"], "run"),
                  ("orbax -> hf", "run", ["--from", f"orbax:{work}/run", "--to", f"hf:{work}/hf3"],
                   "hf3")]
-        if has_torch:
-            steps += [("hf -> dcp", "hf", ["--from", f"hf:{work}/hf", "--to", f"dcp:{work}/dcp"], "dcp"),
-                      ("dcp -> hf", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
-                                            f"hf:{work}/hf4"], "hf4"),
-                      ("dcp -> orbax", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
-                                               f"orbax:{work}/run4"], "run4"),
-                      ("orbax -> dcp", "run", ["--from", f"orbax:{work}/run", "--to",
-                                               f"dcp:{work}/dcp2"], "dcp2")]
+        # dcp: routes need no torch (jaxmoe.port.torch_save, jaxmoe.port.dcp_meta)
+        steps += [("hf -> dcp", "hf", ["--from", f"hf:{work}/hf", "--to", f"dcp:{work}/dcp"], "dcp"),
+                  ("dcp -> hf", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
+                                        f"hf:{work}/hf4"], "hf4"),
+                  ("dcp -> orbax", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
+                                           f"orbax:{work}/run4"], "run4"),
+                  ("orbax -> dcp", "run", ["--from", f"orbax:{work}/run", "--to",
+                                           f"dcp:{work}/dcp2"], "dcp2")]
         if has_torch and importlib.util.find_spec("transformers"):
             steps.append(("hf -> orbax --verify-layers 1", "hf",
                           ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run2", "--verify",
