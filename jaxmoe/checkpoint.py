@@ -173,6 +173,45 @@ def _zarr_metadata(spec, field: str = "chunks"):
             yield from _zarr_metadata(v, field)
 
 
+class StreamLeaf:
+    """A leaf a streaming save writes without it ever being in memory whole: its ``shape`` and
+    ``dtype``, and ``fill(box, out)``, which writes the values of ``box`` (a tuple of slices, one
+    Zarr chunk) into ``out`` (a C-contiguous array of the box's shape and ``dtype``).
+
+    ``leaf[box]`` returns a new chunk filled that way; :class:`_StreamingNumpyHandler` asks for
+    the chunks in order, a few at a time, then calls :meth:`release` (which calls ``on_release``,
+    e.g. to drop what the filler cached). The checkpoint is the one an ``np.ndarray`` of the same
+    values writes (same typestr, Zarr metadata and chunks): only :func:`save_model`
+    ``(stream=True)`` accepts these leaves. No ``__array__`` on purpose: Orbax's ``StandardSave``
+    would turn the leaf into an array, reading it whole (see :func:`_streaming_state_handler`).
+    """
+
+    def __init__(self, shape, dtype, fill, on_release=None):
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.nbytes = self.size * self.dtype.itemsize
+        self._fill, self._on_release = fill, on_release
+
+    def __getitem__(self, box) -> np.ndarray:
+        box = box if isinstance(box, tuple) else (box,)
+        if len(box) != self.ndim or not all(isinstance(b, slice) and b.step in (None, 1)
+                                            for b in box):
+            raise TypeError("StreamLeaf takes one slice per axis (a chunk's box)")
+        box = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
+        out = np.empty(tuple(b.stop - b.start for b in box), self.dtype)
+        self._fill(box, out)
+        return out
+
+    def release(self) -> None:
+        if self._on_release is not None:
+            self._on_release()
+
+    def __repr__(self) -> str:
+        return f"StreamLeaf(shape={list(self.shape)}, dtype={self.dtype})"
+
+
 class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
     """Orbax's numpy handler, writing one chunk of one leaf at a time and never copying a leaf.
 
@@ -225,6 +264,8 @@ class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
             try:  # (Orbax refuses 0-size arrays before this point)
                 t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
                 for box in _chunk_boxes(value.shape, t.chunk_layout.write_chunk.shape):
+                    # a StreamLeaf fills a fresh chunk buffer from its source here (the buffer
+                    # lives until TensorStore has written it); a numpy leaf hands out a view
                     pending.append(t[box].write(value[box], can_reference_source_data_indefinitely=True))
                     n += 1
                     if len(pending) >= STREAM_WRITES_IN_FLIGHT:
@@ -234,14 +275,19 @@ class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
                     await w
             finally:
                 release_pages(value)
+                if isinstance(value, StreamLeaf):
+                    value.release()
                 self.trace.append(("end", n))
 
 
 def _streaming_registry(numpy_handler):
-    """Orbax's default type handlers with ``np.ndarray`` (and np.memmap) -> ``numpy_handler``."""
+    """Orbax's default type handlers with ``np.ndarray`` (and np.memmap) and :class:`StreamLeaf`
+    -> ``numpy_handler``. The registry picks a handler by ``isinstance``; the tree metadata
+    records the handler's typestr (``np.ndarray``), so a StreamLeaf is saved and described
+    exactly as a numpy leaf of its shape and dtype."""
     get = ocp.type_handlers.get_type_handler
     return ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, numpy_handler),
+        (np.ndarray, numpy_handler), (StreamLeaf, numpy_handler),
         (jax.Array, get(jax.Array)),
         (int, get(int)), (float, get(float)), (bytes, get(bytes)), (np.number, get(np.number)),
         (str, get(str)),
@@ -265,6 +311,14 @@ def _streaming_state_handler(numpy_handler) -> ocp.StandardCheckpointHandler:
                            "PyTree handler; streaming saves need updating (jaxmoe/checkpoint.py)")
     handler._impl = ocp.PyTreeCheckpointHandler(
         use_ocdbt=True, type_handler_registry=_streaming_registry(numpy_handler))
+    # StandardSave refuses leaves not in its ``_supported_types`` (and turns anything with an
+    # ``__array__`` into an ndarray, i.e. would read a lazy leaf whole): StreamLeaf has no
+    # ``__array__`` and is let through here, in the instance only.
+    supported = getattr(handler, "_supported_types", None)
+    if not isinstance(supported, tuple):
+        raise RuntimeError("this orbax-checkpoint version has no StandardCheckpointHandler."
+                           "_supported_types; streaming saves need updating (jaxmoe/checkpoint.py)")
+    handler._supported_types = supported + (StreamLeaf,)
     return handler
 
 
@@ -496,4 +550,4 @@ def load_model(run_dir, step: int | None = None):
 # Orbax logs every save/restore at INFO through absl; keep it quiet unless asked.
 logging.getLogger("absl").setLevel(logging.WARNING)
 
-__all__ = ["Checkpointer", "load_model", "release_pages", "save_model"]
+__all__ = ["Checkpointer", "StreamLeaf", "load_model", "release_pages", "save_model"]
