@@ -155,18 +155,19 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def _stack_depth(cfg: Config) -> dict[str, int]:
-    """Per leaf, how many leading axes index a source's slices: the ``layers`` / ``experts`` axes
-    of its declaration (0: a global leaf, read whole)."""
+def _declared(cfg: Config) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """Per leaf, its shape (:func:`leaf_shapes`) and how many leading axes index a source's
+    slices: the ``layers`` / ``experts`` axes of its declaration (0: a global leaf, read whole)."""
     from jaxmoe.model.transformer import model_declarations  # late: jax
 
-    out = {}
+    shapes, depth = {}, {}
     for k, d in model_declarations(cfg).items():
+        key = ("params/" if d.trained else "buffers/") + k
         n = 0
         while n < len(d.axes) and d.axes[n] in ("layers", "experts"):
             n += 1
-        out[("params/" if d.trained else "buffers/") + k] = n
-    return out
+        shapes[key], depth[key] = tuple(d.shape), n
+    return shapes, depth
 
 
 def copy_into(dst: np.ndarray, src) -> None:
@@ -246,23 +247,22 @@ class OrbaxSink(Sink):
         self.scratch = target.parent / "leaves"
         self.leaves: dict[str, object] = {}  # key -> StreamLeaf | np.memmap | small ndarray
         self.spilled: list[str] = []
-        self.depth = _stack_depth(cfg)
+        self.shapes, self.depth = _declared(cfg)
         try:  # convert reports HF tensors; a model HF cannot express (torchtitan's softmax
             self.tensors = len(hf_map.entries(cfg))  # DeepSeek-V3 flavors): its leaves
         except UserError:
-            self.tensors = len(leaf_shapes(cfg))
+            self.tensors = len(self.shapes)
         self._checked = False
 
     def use_source(self, source) -> None:
         """Check free disk before the first leaf: an ``orbax:`` source hands out every leaf as
         a lazy view (nothing spills); others may spill some leaves."""
         spill = not isinstance(source, OrbaxSource)
-        self._check_disk(self.cfg, self.dtypes, self._where, self._log, spill)
+        self._check_disk(self.shapes, self.dtypes, self._where, self._log, spill)
         self._checked = True
 
     @staticmethod
-    def _check_disk(cfg: Config, dtypes: dict, where: Path, log, spill: bool = True) -> None:
-        shapes = leaf_shapes(cfg)
+    def _check_disk(shapes: dict, dtypes: dict, where: Path, log, spill: bool = True) -> None:
         model = sum(int(np.prod(shapes[k], dtype=np.int64)) * np.dtype(dt).itemsize
                     for k, dt in dtypes.items())
         need = 2 * model if spill else model
@@ -302,7 +302,7 @@ class OrbaxSink(Sink):
         from jaxmoe.checkpoint import StreamLeaf  # late: jax, Orbax
 
         if not self._checked:  # a caller that skipped use_source
-            self._check_disk(self.cfg, self.dtypes, self._where, self._log)
+            self._check_disk(self.shapes, self.dtypes, self._where, self._log)
             self._checked = True
         dtype = np.dtype(self.dtypes.get(key, arr.dtype))
         if isinstance(arr, np.ndarray):  # the whole leaf, in memory: spill, unless tiny
