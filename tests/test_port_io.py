@@ -162,45 +162,6 @@ def test_streaming_save_is_bit_exact_chunked_and_one_leaf_at_a_time(tmp_path, mo
             assert np.array_equal(flat_w[k].view(np.uint8), flat_g[k].view(np.uint8)), k
 
 
-def test_stream_leaf_saves_the_same_checkpoint_as_an_array(tmp_path, monkeypatch):
-    """A StreamLeaf (filled chunk by chunk at save time, never whole) and the same values as
-    numpy leaves give the same tree metadata, Zarr metadata (chunks, no compressor) and bytes;
-    its chunks are asked for in order, each once, then it is released."""
-    import json
-
-    from jaxmoe import checkpoint
-    from jaxmoe.port.orbax_read import open_array
-
-    monkeypatch.setattr(checkpoint, "STREAM_CHUNK_BYTES", 4096)
-    rng = np.random.default_rng(2)
-    vals = {"big": rng.standard_normal((3, 10, 40, 9)).astype(np.float32),  # 15 chunks
-            "bf16": rng.standard_normal((5, 700)).astype(ml_dtypes.bfloat16)}  # 3, last clipped
-    boxes, released = [], []
-
-    def lazy(k):
-        def fill(box, out):
-            boxes.append((k, box))
-            out[...] = vals[k][box]
-        return checkpoint.StreamLeaf(vals[k].shape, vals[k].dtype, fill, lambda: released.append(k))
-
-    for name, params in (("arr", dict(vals)), ("lazy", {k: lazy(k) for k in vals})):
-        ck = checkpoint.Checkpointer(tmp_path / name, keep=0, async_save=False, stream_numpy=True)
-        try:
-            ck.save(0, {"params": params, "buffers": {}}, {})
-        finally:
-            ck.close()
-    assert released == ["bf16", "big"] and len(boxes) == 18
-    assert [b for k, b in boxes if k == "bf16"] == [(slice(0, 2), slice(0, 700)), (slice(2, 4), slice(0, 700)),
-                                                   (slice(4, 5), slice(0, 700))]
-    a, b = (tmp_path / n / "0" / "state" for n in ("arr", "lazy"))
-    assert json.loads((a / "_METADATA").read_text()) == json.loads((b / "_METADATA").read_text())
-    for k, v in vals.items():
-        ta, tb = open_array(a, "params/" + k), open_array(b, "params/" + k)
-        assert ta.spec().to_json()["metadata"] == tb.spec().to_json()["metadata"]
-        got = np.asarray(tb.read().result())
-        assert got.dtype == v.dtype and np.array_equal(got.view(np.uint8), v.view(np.uint8)), k
-
-
 def _status_bytes(field: str) -> int:
     return [int(x.split()[1]) * 1024 for x in open("/proc/self/status")
             if x.startswith(field + ":")][0]
@@ -250,3 +211,42 @@ def test_streaming_save_holds_chunks_not_leaves(tmp_path, monkeypatch):
     save("lazy", {"w": checkpoint.StreamLeaf(src.shape, src.dtype, fill)})
     grew = _status_bytes("VmHWM") - base
     assert grew < 24 * 2**20, f"peak RSS grew by {grew / 2**20:.0f} MiB for a 64 MiB StreamLeaf"
+
+
+def test_stream_leaf_saves_the_same_checkpoint_as_an_array(tmp_path, monkeypatch):
+    """A StreamLeaf (filled chunk by chunk at save time, never whole) and the same values as
+    numpy leaves give the same tree metadata, Zarr metadata (chunks, no compressor) and bytes;
+    its chunks are asked for in order, each once, then it is released."""
+    import json
+
+    from jaxmoe import checkpoint
+    from jaxmoe.port.orbax_read import open_array
+
+    monkeypatch.setattr(checkpoint, "STREAM_CHUNK_BYTES", 4096)
+    rng = np.random.default_rng(2)
+    vals = {"big": rng.standard_normal((3, 10, 40, 9)).astype(np.float32),  # 15 chunks
+            "bf16": rng.standard_normal((5, 700)).astype(ml_dtypes.bfloat16)}  # 3, last clipped
+    boxes, released = [], []
+
+    def lazy(k):
+        def fill(box, out):
+            boxes.append((k, box))
+            out[...] = vals[k][box]
+        return checkpoint.StreamLeaf(vals[k].shape, vals[k].dtype, fill, lambda: released.append(k))
+
+    for name, params in (("arr", dict(vals)), ("lazy", {k: lazy(k) for k in vals})):
+        ck = checkpoint.Checkpointer(tmp_path / name, keep=0, async_save=False, stream_numpy=True)
+        try:
+            ck.save(0, {"params": params, "buffers": {}}, {})
+        finally:
+            ck.close()
+    assert released == ["bf16", "big"] and len(boxes) == 18
+    assert [b for k, b in boxes if k == "bf16"] == [(slice(0, 2), slice(0, 700)), (slice(2, 4), slice(0, 700)),
+                                                   (slice(4, 5), slice(0, 700))]
+    a, b = (tmp_path / n / "0" / "state" for n in ("arr", "lazy"))
+    assert json.loads((a / "_METADATA").read_text()) == json.loads((b / "_METADATA").read_text())
+    for k, v in vals.items():
+        ta, tb = open_array(a, "params/" + k), open_array(b, "params/" + k)
+        assert ta.spec().to_json()["metadata"] == tb.spec().to_json()["metadata"]
+        got = np.asarray(tb.read().result())
+        assert got.dtype == v.dtype and np.array_equal(got.view(np.uint8), v.view(np.uint8)), k
