@@ -219,7 +219,7 @@ class OrbaxSink(Sink):
     Orbax writes a pytree in one save, so every leaf must exist at once. The sink takes the
     source's lazy views (:attr:`takes_views`: ``hf:`` / ``dcp:`` / ``orbax:`` sources read one
     layer's or expert's slice at a time) and keeps, per leaf, only a
-    :class:`jaxmoe.checkpoint.StreamLeaf` over it; at :meth:`finish` one
+    :class:`jaxmoe.checkpoint_stream.StreamLeaf` over it; at :meth:`finish` one
     :func:`jaxmoe.checkpoint.save_model` ``(stream=True)`` call writes the leaves one after
     another, one Zarr chunk (:data:`~jaxmoe.checkpoint.STREAM_CHUNK_BYTES`) at a time, each chunk
     filled straight from the source (:class:`ViewFiller`; transposed slices copied in tiles).
