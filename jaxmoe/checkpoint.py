@@ -22,9 +22,7 @@ Typed PRNG keys (``jax.random.key``) are not serialisable by Orbax: they are sav
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import mmap
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxmoe.checkpoint_stream import (  # StreamLeaf, release_pages: re-exported
+    StreamingNumpyHandler,
+    StreamLeaf,
+    release_pages,
+    streaming_state_handler,
+)
 from jaxmoe.errors import UserError
 
 _STATE, _META = "state", "meta"
@@ -106,166 +110,11 @@ def _with_default_sharding(tree):
     return jax.tree_util.tree_map(fix, tree)
 
 
-# --------------------------------------------------------------------------------------------
-# Streaming numpy leaves (used by ``save_model(..., stream=True)``, i.e. ``jaxmoe convert``)
-# --------------------------------------------------------------------------------------------
-
-
-def _file_mapping(arr) -> mmap.mmap | None:
-    """The ``mmap`` behind a numpy array (an ``np.memmap`` or a view of one), else None."""
-    base = arr
-    while base is not None:
-        if isinstance(base, mmap.mmap):
-            return base
-        base = getattr(base, "base", None)
-    return None
-
-
-def release_pages(arr) -> None:
-    """Drop the resident pages of a file-backed numpy array from this process (no-op for others).
-
-    Touched pages of a shared file mapping count in RSS (and ``VmHWM``) until unmapped;
-    ``MADV_DONTNEED`` unmaps them (the data stays in the file / page cache, read back on access).
-    """
-    mm = _file_mapping(arr)
-    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
-        mm.madvise(mmap.MADV_DONTNEED)
-
-
-# Streaming saves cut numpy leaves into contiguous Zarr chunks of at most this many bytes (Orbax:
-# one chunk per leaf up to 2 GiB). A chunk is what a partial read decodes (port/orbax_read), and
-# TensorStore keeps written chunks resident until a save commits: 4 MiB keeps both small (64 MiB:
-# hf -> orbax peak 585 vs 298 MB for 134 vs 17 MB leaves; tests/test_convert_memory.py).
+# Streaming saves (jaxmoe.checkpoint_stream) cut numpy leaves into contiguous Zarr chunks of at
+# most this many bytes (Orbax: one chunk per leaf up to 2 GiB). A chunk is what a partial read
+# decodes (port/orbax_read), and TensorStore keeps written chunks resident until a save commits:
+# 4 MiB keeps both small (64 MiB: hf -> orbax peak 585 vs 298 MB for 134 vs 17 MB leaves; tests/test_convert_memory.py).
 STREAM_CHUNK_BYTES = 4 * 2**20
-# Chunk writes in flight (TensorStore writes while the next are issued; 8 broke test_port_io's RSS
-# bound), stored uncompressed (zstd-1: CPU on both sides for ~12% of the bytes). Measured:
-# docs/MEASUREMENTS.md, "Conversion at disk speed".
-STREAM_WRITES_IN_FLIGHT = 4
-
-def _chunk_boxes(shape, chunk):
-    """Index tuples of the chunk grid of an array of ``shape`` (C order; edge chunks clipped to
-    the array: TensorStore rejects out-of-bounds boxes)."""
-    grid = [range(0, n, max(c, 1)) for n, c in zip(shape, chunk)]
-    for starts in np.ndindex(*[len(g) for g in grid]):
-        yield tuple(slice(g[i], min(g[i] + c, n))
-                    for g, i, c, n in zip(grid, starts, chunk, shape))
-
-
-def _slab_chunks(shape, itemsize: int, limit: int):
-    """A chunk shape of at most ``limit`` bytes that is one contiguous run in C order: whole
-    trailing dims, split only along the leading ones (``[4, 64, 1024, 512]`` fp32, 64 MiB ->
-    ``[1, 32, 1024, 512]``)."""
-    shape = tuple(max(int(n), 1) for n in shape)
-    for axis in range(len(shape)):
-        trailing = int(np.prod(shape[axis + 1:], dtype=np.int64)) * itemsize
-        if trailing <= limit:
-            k = max(1, min(shape[axis], limit // max(trailing, 1)))
-            return (1,) * axis + (k,) + shape[axis + 1:]
-    return (1,) * len(shape)
-
-
-def _zarr_metadata(spec, field: str = "chunks"):
-    """The Zarr v2 ``metadata`` dicts (with ``field``) inside a TensorStore JSON spec."""
-    if isinstance(spec, dict):
-        if isinstance(spec.get("metadata"), dict) and field in spec["metadata"]:
-            yield spec["metadata"]
-        for v in spec.values():
-            yield from _zarr_metadata(v, field)
-
-
-class _StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
-    """Orbax's numpy handler, writing one chunk of one leaf at a time and never copying a leaf.
-
-    Same typestr (``np.ndarray``) and the same TensorStore specs as
-    :class:`orbax.checkpoint.type_handlers.NumpyHandler`, so the files are in the format a
-    normal save of numpy leaves writes and any reader restores them. Differences:
-
-    * no defensive deep copy of the leaves (``deepcopy_host_arrays=False``): only safe when the
-      caller keeps the arrays unchanged until the save is committed, which
-      :func:`save_model` does (it blocks);
-    * the stock handler starts every leaf's write at once; here a lock makes them run one
-      after another, each leaf chunk by chunk (:data:`STREAM_WRITES_IN_FLIGHT` chunks in
-      flight), and as each chunk completes the leaf's file-backed pages are dropped
-      (:func:`release_pages`);
-    * leaves over :data:`STREAM_CHUNK_BYTES` get Zarr chunks that split only the leading axes
-      (:func:`_slab_chunks`), so a chunk is one contiguous byte range of the leaf. Orbax's
-      own choice (``SaveArgs.chunk_byte_size``) splits the largest axis first, e.g. the
-      ``D`` axis of ``[L, E, D, I]``; such a chunk is strided over the whole leaf and reading
-      it through an ``mmap`` faulted in 434 MB of a 537 MB leaf for a 64 MB chunk (the kernel
-      maps whole large folios). The chunk shape (and no compressor) is recorded in the array's
-      own Zarr metadata, so every reader handles it. (As one 537 MB chunk per leaf, TensorStore
-      also kept ~474 MB of encoded data per leaf until the save ended.)
-
-    With ``np.memmap`` leaves the process then holds a few chunks, not the tree. Relies on
-    ``NumpyHandler._open_and_write`` (one call per leaf) in orbax-checkpoint 0.12.x; tests check
-    the write order and chunks, bit-exact reads, and that peak RSS grows by less than a leaf.
-    """
-
-    def __init__(self, chunk_bytes: int | None = None):
-        super().__init__(deepcopy_host_arrays=False)
-        self.chunk_bytes = int(chunk_bytes or STREAM_CHUNK_BYTES)
-        self._lock: asyncio.Lock | None = None
-        self.trace: list[tuple[str, int]] = []  # ("start"|"end", chunk count) per leaf, for tests
-
-    async def _background_serialize(self, values, infos, args=None):
-        self._lock = asyncio.Lock()  # bound to this save's event loop
-        await super()._background_serialize(values, infos, args)
-
-    async def _open_and_write(self, value, tspec, ts_context):
-        import tensorstore as ts
-
-        if value.nbytes > self.chunk_bytes:
-            for md in _zarr_metadata(tspec):
-                md["chunks"] = _slab_chunks(value.shape, value.dtype.itemsize, self.chunk_bytes)
-        for md in _zarr_metadata(tspec, "compressor"):
-            md["compressor"] = None  # see STREAM_WRITES_IN_FLIGHT
-        async with self._lock:
-            self.trace.append(("start", 0))
-            n, pending = 0, []  # pending: up to STREAM_WRITES_IN_FLIGHT chunk writes
-            try:  # (Orbax refuses 0-size arrays before this point)
-                t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
-                for box in _chunk_boxes(value.shape, t.chunk_layout.write_chunk.shape):
-                    pending.append(t[box].write(value[box], can_reference_source_data_indefinitely=True))
-                    n += 1
-                    if len(pending) >= STREAM_WRITES_IN_FLIGHT:
-                        await pending.pop(0)
-                        release_pages(value)
-                for w in pending:
-                    await w
-            finally:
-                release_pages(value)
-                self.trace.append(("end", n))
-
-
-def _streaming_registry(numpy_handler):
-    """Orbax's default type handlers with ``np.ndarray`` (and np.memmap) -> ``numpy_handler``."""
-    get = ocp.type_handlers.get_type_handler
-    return ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, numpy_handler),
-        (jax.Array, get(jax.Array)),
-        (int, get(int)), (float, get(float)), (bytes, get(bytes)), (np.number, get(np.number)),
-        (str, get(str)),
-    )
-
-
-def _streaming_state_handler(numpy_handler) -> ocp.StandardCheckpointHandler:
-    """The state item's handler for streaming saves: a ``StandardCheckpointHandler`` whose inner
-    PyTree handler writes numpy leaves with ``numpy_handler``.
-
-    ``StandardCheckpointHandler`` is a thin wrapper that delegates to a
-    ``PyTreeCheckpointHandler`` (its ``_impl`` in orbax-checkpoint 0.12.x); only that inner
-    handler takes a type-handler registry. Swapping it keeps everything else -- the
-    ``StandardSave`` args, the handler name in the step metadata, the files -- exactly as a
-    normal :meth:`Checkpointer.save` writes them. (A ``PyTreeCheckpointHandler`` subclass is
-    not an option: Orbax matches save args to handler classes exactly.)
-    """
-    handler = ocp.StandardCheckpointHandler()
-    if not isinstance(getattr(handler, "_impl", None), ocp.PyTreeCheckpointHandler):
-        raise RuntimeError("this orbax-checkpoint version has no StandardCheckpointHandler._impl "
-                           "PyTree handler; streaming saves need updating (jaxmoe/checkpoint.py)")
-    handler._impl = ocp.PyTreeCheckpointHandler(
-        use_ocdbt=True, type_handler_registry=_streaming_registry(numpy_handler))
-    return handler
 
 
 class Checkpointer:
@@ -279,12 +128,12 @@ class Checkpointer:
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True,
                  stream_numpy: bool = False):
         """``stream_numpy``: write numpy leaves one at a time without copying them (see
-        :class:`_StreamingNumpyHandler`); needs ``async_save=False``. Same files either way."""
+        :class:`StreamingNumpyHandler`); needs ``async_save=False``. Same files either way."""
         if stream_numpy and async_save:
             raise ValueError("stream_numpy=True needs async_save=False (leaves are not copied)")
         self.stream_numpy = stream_numpy
         # the handler that writes numpy leaves when streaming (its .trace records the writes)
-        self.stream_handler = _StreamingNumpyHandler() if stream_numpy else None
+        self.stream_handler = StreamingNumpyHandler(STREAM_CHUNK_BYTES) if stream_numpy else None
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise UserError(f"checkpoint directory {self.directory} is a file, not a directory")
@@ -297,7 +146,7 @@ class Checkpointer:
         state_handler = ocp.StandardCheckpointHandler()
         if stream_numpy:
             try:
-                state_handler = _streaming_state_handler(self.stream_handler)
+                state_handler = streaming_state_handler(self.stream_handler)
             except (RuntimeError, AttributeError, TypeError) as e:
                 # Another orbax-checkpoint release without the 0.12.x internals: write the same
                 # files the ordinary way (memory then scales with the model, not the leaf).
@@ -455,7 +304,8 @@ def save_model(run_dir, cfg, params, buffers, step: int = 0, *, stream: bool = F
     (the layout training uses, minus the optimizer state); blocks until committed.
 
     ``stream=True`` writes numpy leaves one at a time without copying them: pass ``np.memmap``
-    leaves (files on disk) and peak memory stays at about one leaf instead of the model (used
+    leaves (files on disk) or :class:`~jaxmoe.checkpoint_stream.StreamLeaf` (filled from their
+    source chunk by chunk) and peak memory stays at a few chunks instead of the model (used
     by ``jaxmoe convert --to orbax:``). The checkpoint is the same either way."""
     from jaxmoe.config import config_to_toml
 
@@ -496,4 +346,4 @@ def load_model(run_dir, step: int | None = None):
 # Orbax logs every save/restore at INFO through absl; keep it quiet unless asked.
 logging.getLogger("absl").setLevel(logging.WARNING)
 
-__all__ = ["Checkpointer", "load_model", "release_pages", "save_model"]
+__all__ = ["Checkpointer", "StreamLeaf", "load_model", "release_pages", "save_model"]

@@ -59,7 +59,9 @@ def _convert_verify(capsys, src, dst, *extra):
 def _corrupt(mode):
     """Wrap a sink's write_leaf so that the expert leaf it writes is wrong."""
     def bad(arr):
-        arr = np.array(arr[()] if not isinstance(arr, np.ndarray) else arr)
+        if not isinstance(arr, np.ndarray):  # a source's lazy view: read it layer by layer
+            arr = np.stack([np.asarray(arr[(i,)]) for i in range(arr.shape[0])])
+        arr = np.array(arr)
         if mode == "swap":  # experts 0 and 1 of MoE layer 0 trade places
             arr[0, [0, 1]] = arr[0, [1, 0]]
         else:  # expert 0 of MoE layer 0 transposed (a square [D, I] matrix in `tiny`)

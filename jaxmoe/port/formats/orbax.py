@@ -18,6 +18,7 @@ from jaxmoe.config import Config, load_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import hf_map
 from jaxmoe.port.formats.base import Endpoint, Format, Sink, Source, shape_text
+from jaxmoe.port.formats.hf import transpose_into
 from jaxmoe.port.hf_meta import HF_META_DIR, keep_in_run_dir
 from jaxmoe.run_dir import RunDir
 
@@ -154,85 +155,171 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _declared(cfg: Config) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """Per leaf, its shape (:func:`leaf_shapes`) and how many leading axes index a source's
+    slices: the ``layers`` / ``experts`` axes of its declaration (0: a global leaf, read whole)."""
+    from jaxmoe.model.transformer import model_declarations  # late: jax
+
+    shapes, depth = {}, {}
+    for k, d in model_declarations(cfg).items():
+        key = ("params/" if d.trained else "buffers/") + k
+        n = 0
+        while n < len(d.axes) and d.axes[n] in ("layers", "experts"):
+            n += 1
+        shapes[key], depth[key] = tuple(d.shape), n
+    return shapes, depth
+
+
+def copy_into(dst: np.ndarray, src) -> None:
+    """``dst[...] = src``; a transposed view (the last two axes' strides swapped, what an
+    ``hf:`` / ``dcp:`` source hands out for a leaf jaxmoe stores transposed) is copied tile by
+    tile with :func:`~jaxmoe.port.formats.hf.transpose_into` instead of a strided copy."""
+    src = np.asarray(src)
+    if (src.ndim >= 2 and src.shape[-1] > 1 and src.shape[-2] > 1
+            and abs(src.strides[-2]) < abs(src.strides[-1])):
+        transpose_into(dst, np.swapaxes(src, -1, -2))
+    else:
+        dst[...] = src
+
+
+class ViewFiller:
+    """Fills a chunk of a leaf from the source's lazy view (``leaf_view``) at save time.
+
+    ``depth`` leading axes are indexed with integers (``view[(layer,)]``, ``view[(layer,
+    expert)]``; a source reads and keeps that slice's block), the rest sliced from what it
+    returns. ``depth`` 0 (a global leaf) reads ``view[()]`` once and keeps it until the leaf is
+    written (:meth:`release`). ``calls`` counts view reads (tests)."""
+
+    def __init__(self, view, depth: int):
+        self.view, self.depth = view, depth
+        self._whole = None
+        self.calls = 0
+
+    def __call__(self, box: tuple, out: np.ndarray) -> None:
+        if self.depth == 0:
+            if self._whole is None:
+                self.calls += 1
+                self._whole = np.asarray(self.view[()])
+            copy_into(out, self._whole[box])
+            return
+        lead, rest = box[:self.depth], box[self.depth:]
+        for at in np.ndindex(*[b.stop - b.start for b in lead]):
+            self.calls += 1
+            part = self.view[tuple(b.start + i for b, i in zip(lead, at))]
+            copy_into(out[at], part[rest])
+
+    def release(self) -> None:
+        """Drop the view (and what it keeps: its last block) once the leaf is written."""
+        self.view, self._whole = None, None
+
+
 class OrbaxSink(Sink):
     """Write a jaxmoe run dir (``config.toml`` + an Orbax checkpoint at step 0) leaf by leaf.
 
-    Orbax writes a pytree in one save, so every leaf must exist at once; to keep them out of
-    memory, each leaf is assembled in a raw ``np.memmap`` file under ``leaves/`` next to
-    ``target`` (in the conversion's temporary folder, removed afterwards; it needs disk for one copy of the model).
-    :meth:`buffer` hands out that file for the source to fill (its pages are dropped as it
-    fills, see :meth:`HfTensorSource.read_leaf`); at :meth:`finish` the files are re-opened
-    read-only and saved with :func:`jaxmoe.checkpoint.save_model` ``(stream=True)``, which
-    writes them one Zarr chunk (:data:`~jaxmoe.checkpoint.STREAM_CHUNK_BYTES`) at a time without
-    copying, so peak memory stays near the largest leaf (measured: docs/MEASUREMENTS.md,
-    "Conversion throughput"). The checkpoint is the one ``save_model`` writes for in-memory
-    leaves, up to the Zarr chunk shapes of leaves over that size, which
+    Orbax writes a pytree in one save, so every leaf must exist at once. The sink takes the
+    source's lazy views (:attr:`takes_views`: ``hf:`` / ``dcp:`` / ``orbax:`` sources read one
+    layer's or expert's slice at a time) and keeps, per leaf, only a
+    :class:`jaxmoe.checkpoint_stream.StreamLeaf` over it; at :meth:`finish` one
+    :func:`jaxmoe.checkpoint.save_model` ``(stream=True)`` call writes the leaves one after
+    another, one Zarr chunk (:data:`~jaxmoe.checkpoint.STREAM_CHUNK_BYTES`) at a time, each chunk
+    filled straight from the source (:class:`ViewFiller`; transposed slices copied in tiles).
+    Each byte is read once and written once, and memory holds a source block and a few chunks.
+    (The source stays open until after :meth:`finish`, see :func:`jaxmoe.port.convert.convert`.)
+
+    A leaf that arrives as a whole in-memory array (a global ``hf:`` leaf, a fused HF layout,
+    FP8) is *spilled*: copied into a raw ``np.memmap`` file under ``leaves/`` next to ``target``
+    (in the conversion's temporary folder, removed afterwards) and its pages dropped, so it is
+    not held in memory until the save. The checkpoint is the one ``save_model`` writes for
+    in-memory leaves, up to the Zarr chunk shapes of leaves over the chunk size, which
     :func:`jaxmoe.checkpoint.load_model` and ``Checkpointer.restore`` read as usual.
 
-    Before anything is written the sink says how much disk it needs (the checkpoint plus the
-    scratch files) and refuses, one line, when the file system holding ``where`` has less.
+    Before anything is written the sink says how much disk it needs: the checkpoint, plus, when
+    some leaves may spill, a scratch copy of those (counted as the whole model: which leaves
+    spill is known only as they arrive), and refuses, one line, when the file system holding
+    ``where`` has less.
     """
 
+    takes_views = True
+
     def __init__(self, target: Path, cfg: Config, dtypes: dict, where: Path, log):
-        self.target, self.cfg = target, cfg
-        self._check_disk(cfg, dtypes, where, log)
+        self.target, self.cfg, self.dtypes = target, cfg, dtypes
+        self._where, self._log = where, log
         self.scratch = target.parent / "leaves"
-        self.scratch.mkdir(parents=True, exist_ok=True)
-        self.files: dict[str, tuple[Path | None, tuple, np.dtype, np.ndarray | None]] = {}
+        self.leaves: dict[str, object] = {}  # key -> StreamLeaf | np.memmap | small ndarray
+        self.spilled: list[str] = []
+        self.shapes, self.depth = _declared(cfg)
         try:  # convert reports HF tensors; a model HF cannot express (torchtitan's softmax
             self.tensors = len(hf_map.entries(cfg))  # DeepSeek-V3 flavors): its leaves
         except UserError:
-            self.tensors = len(leaf_shapes(cfg))
+            self.tensors = len(self.shapes)
+        self._checked = False
+
+    def use_source(self, source) -> None:
+        """Check free disk before the first leaf: an ``orbax:`` source hands out every leaf as
+        a lazy view (nothing spills); others may spill some leaves."""
+        spill = not isinstance(source, OrbaxSource)
+        self._check_disk(self.shapes, self.dtypes, self._where, self._log, spill)
+        self._checked = True
 
     @staticmethod
-    def _check_disk(cfg: Config, dtypes: dict, where: Path, log) -> None:
-        shapes = leaf_shapes(cfg)
+    def _check_disk(shapes: dict, dtypes: dict, where: Path, log, spill: bool = True) -> None:
         model = sum(int(np.prod(shapes[k], dtype=np.int64)) * np.dtype(dt).itemsize
                     for k, dt in dtypes.items())
-        need = 2 * model  # scratch copy + the checkpoint (removed scratch leaves no trace)
+        need = 2 * model if spill else model
         free = shutil.disk_usage(where).free
+        what = ("the checkpoint, plus scratch files for leaves the source cannot hand out a "
+                "slice at a time, at most the model" if spill else "the checkpoint only")
         log(f"note: writing an orbax: checkpoint of {_gb(model)} needs {_gb(need)} free disk next "
-            f"to the destination (scratch leaf files + the checkpoint); {_gb(free)} free in {where}")
+            f"to the destination ({what}); {_gb(free)} free in {where}")
         if free < need:
+            extra = f" + up to {_gb(model)} scratch" if spill else ""
             raise UserError(f"not enough free disk in {where}: converting to orbax: needs "
-                            f"{_gb(need)} ({_gb(model)} checkpoint + {_gb(model)} scratch), "
+                            f"{_gb(need)} ({_gb(model)} checkpoint{extra}), "
                             f"{_gb(free)} free; free space or write --to elsewhere")
 
-    def buffer(self, key: str, shape, dtype) -> np.ndarray:
-        """A writable file-backed array for leaf ``key`` (pass it back to :meth:`write_leaf`)."""
-        shape, dtype = tuple(int(n) for n in shape), np.dtype(dtype)
-        if 0 in shape:  # an empty file cannot be mapped
-            return np.empty(shape, dtype)
-        path = self.scratch / f"{len(self.files):05d}.bin"
-        return np.memmap(path, dtype=dtype, mode="w+", shape=shape)
+    def buffer(self, key: str, shape, dtype) -> None:
+        """None: the sink takes the source's view (:attr:`takes_views`)."""
+        return None
 
-    def write_leaf(self, key: str, arr) -> None:
+    def _spill(self, key: str, arr: np.ndarray) -> np.ndarray:
+        """``arr`` copied into a scratch file, re-opened read-only with no page resident."""
         # late: jaxmoe.checkpoint imports jax and Orbax, which hf:/torch: conversions never need
         from jaxmoe.checkpoint import release_pages
 
-        if not isinstance(arr, np.memmap):  # not from buffer(): copy it into a file
-            buf = self.buffer(key, arr.shape, arr.dtype)
-            buf[...] = arr
-            arr = buf
-        if isinstance(arr, np.memmap):
-            arr.flush()
-            release_pages(arr)
-            self.files[key] = (Path(arr.filename), arr.shape, arr.dtype, None)
-        else:
-            self.files[key] = (None, arr.shape, arr.dtype, arr)
+        if 0 in arr.shape:  # an empty file cannot be mapped (and Orbax refuses 0-size leaves)
+            return np.array(arr)
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        path = self.scratch / f"{len(self.spilled):05d}.bin"
+        buf = np.memmap(path, dtype=arr.dtype, mode="w+", shape=arr.shape)
+        buf[...] = arr
+        buf.flush()
+        release_pages(buf)
+        del buf
+        self.spilled.append(key)
+        return np.memmap(path, dtype=arr.dtype, mode="r", shape=arr.shape)
+
+    def write_leaf(self, key: str, arr) -> None:
+        from jaxmoe.checkpoint import StreamLeaf  # late: jax, Orbax
+
+        if not self._checked:  # a caller that skipped use_source
+            self._check_disk(self.shapes, self.dtypes, self._where, self._log)
+            self._checked = True
+        dtype = np.dtype(self.dtypes.get(key, arr.dtype))
+        if isinstance(arr, np.ndarray):  # the whole leaf, in memory: spill, unless tiny
+            arr = arr.astype(dtype, copy=False)
+            self.leaves[key] = arr.copy() if arr.nbytes <= 4096 else self._spill(key, arr)
+            return
+        fill = ViewFiller(arr, self.depth.get(key, 0))
+        self.leaves[key] = StreamLeaf(arr.shape, dtype, fill, fill.release)
 
     def finish(self) -> None:
         from jaxmoe import checkpoint
 
-        leaves = {}
-        for key, (path, shape, dtype, arr) in self.files.items():
-            leaves[key] = arr if path is None else np.memmap(path, dtype=dtype, mode="r",
-                                                             shape=shape)
-        tree = hf_map.unflatten(leaves)
+        tree = hf_map.unflatten(self.leaves)
+        self.leaves = {}
         checkpoint.save_model(str(self.target), self.cfg, tree.get("params", {}),
                               tree.get("buffers", {}), step=0, stream=True)
-        del leaves, tree
-        self.files = {}
+        del tree
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def carry(self, files: list[Path], log=None) -> list[str]:
