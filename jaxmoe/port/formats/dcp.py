@@ -217,7 +217,7 @@ class LeafView:
 
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
-        if () in self.rows:  # a global leaf: one tensor
+        if () in self.rows or index == ():  # a global leaf (one tensor), or the whole leaf asked for
             return self.src.read_leaf(self.key, self.dtype)[index]
         ent = self.rows[(int(index[0]),)]
         part = titan_map.jax_part(self.src._tensor(ent.name), ent)[index[1:]]
