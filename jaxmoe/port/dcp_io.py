@@ -61,6 +61,16 @@ STORAGES = {
 TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """torch's strides (in elements) of a C-contiguous tensor of ``shape`` (a 0- or 1-size dim
+    counts as 1)."""
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
+
+
 # --------------------------------------------------------------------------------------------
 # A pickle reader that runs no code: allow-listed names resolve to stand-ins of this module
 # --------------------------------------------------------------------------------------------
@@ -367,11 +377,7 @@ class DcpDir:
             if fh.read(4) != b"PK\x03\x04":
                 return (ch.file, ch.offset, ch.length) if ch.length == n * dtype.itemsize else None
             ref, start = self._zip_storage(fqn, ch, fh, dtype)
-        stride, acc = [], 1
-        for size in reversed(shape):
-            stride.append(acc)
-            acc *= max(size, 1)
-        if ref.offset != 0 or (n > 1 and tuple(ref.stride) != tuple(reversed(stride))):
+        if ref.offset != 0 or (n > 1 and tuple(ref.stride) != contiguous_strides(shape)):
             return None
         return ch.file, ch.offset + start, n * dtype.itemsize
 
@@ -424,5 +430,5 @@ class DcpDir:
             writeable=False)
 
 
-__all__ = ["ALLOWED", "DTYPES", "TRAINING_STATE", "Chunk", "DcpDir", "Record", "SafeUnpickler",
+__all__ = ["ALLOWED", "DTYPES", "contiguous_strides", "TRAINING_STATE", "Chunk", "DcpDir", "Record", "SafeUnpickler",
            "safe_loads", "shape_text"]

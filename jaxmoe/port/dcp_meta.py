@@ -15,6 +15,7 @@ from torch's classes; and torchtitan's ``CheckpointManager`` loads what the sink
 
 from __future__ import annotations
 
+import io
 import pickle
 
 META = "torch.distributed.checkpoint.metadata"
@@ -112,8 +113,6 @@ def metadata_bytes(tensors: dict, items: dict, planner: dict, file: str) -> byte
             info, {"relative_path": file, "offset": int(at), "length": int(length)})
     md = New(_g(META, "Metadata"), {"state_dict_metadata": sdm, "planner_data": dict(planner),
                                    "storage_data": storage, "storage_meta": None, "version": DCP_VERSION})
-    import io
-
     buf = io.BytesIO()
     _Writer(buf, protocol=4).dump(md)
     return buf.getvalue()

@@ -37,7 +37,7 @@ import zlib
 
 import numpy as np
 
-from jaxmoe.port.dcp_io import DTYPES, STORAGES
+from jaxmoe.port.dcp_io import DTYPES, STORAGES, contiguous_strides
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -105,10 +105,6 @@ def tensor_pickle(dtype, shape) -> bytes:
     whose storage is record ``data/0``: ``_rebuild_tensor_v2(storage, 0, size, stride, False,
     OrderedDict())``."""
     shape = tuple(int(n) for n in shape)
-    stride, acc = [], 1
-    for n in reversed(shape):  # torch's contiguous strides (a 0- or 1-size dim counts as 1)
-        stride.append(acc)
-        acc *= max(n, 1)
     p = _Pickle()
     p.glob("torch._utils", "_rebuild_tensor_v2")
     p.out.append(b"((")  # the call's args; the persistent id's tuple
@@ -121,7 +117,7 @@ def tensor_pickle(dtype, shape) -> bytes:
     p.put()
     p.out += [b"Q", _int(0)]
     p.ints(shape)
-    p.ints(tuple(reversed(stride)))
+    p.ints(contiguous_strides(shape))
     p.out.append(b"\x89")  # requires_grad False
     p.glob("collections", "OrderedDict")
     p.out.append(b")R")

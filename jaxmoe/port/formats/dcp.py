@@ -340,11 +340,16 @@ class DcpSink(Sink):
         a = np.array(a, order="C", copy=not a.flags.c_contiguous)  # ascontiguousarray makes 0-d 1-d
         z, at = TensorZip(a.dtype, a.shape), self.end
         data = a.reshape(-1).view(np.uint8) if a.size else b""
-        pwrite_all(self.fd, z.head, at)
         pwrite_all(self.fd, data, at + z.data_offset)
-        pwrite_all(self.fd, z.tail(zlib.crc32(data)), at + z.data_offset + z.nbytes)
+        self._close_entry(name, z, at, zlib.crc32(data), a.shape, a.dtype)
+
+    def _close_entry(self, name: str, z: TensorZip, at: int, crc: int, shape, dtype) -> None:
+        """Tensor ``name``'s values are at ``at + z.data_offset``: write its zip around them
+        (headers; closing records with their CRC-32), queue it for writeback, record it."""
+        pwrite_all(self.fd, z.head, at)
+        pwrite_all(self.fd, z.tail(crc), at + z.data_offset + z.nbytes)
         start_writeback(self.fd, at, z.length)
-        self.written[name] = (tuple(a.shape), a.dtype, at, z.length)
+        self.written[name] = (tuple(shape), np.dtype(dtype), at, z.length)
         self.end = at + z.length
 
     def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:
@@ -368,12 +373,8 @@ class DcpSink(Sink):
         """The values of leaf ``key``'s tensors are in place: write each zip around them (its
         headers, then the CRC-32 of the values as read back, and the closing records)."""
         for ent, z, at in self._plans.pop(key):
-            pwrite_all(self.fd, z.head, at)
             crc = crc32_of(self.fd, at + z.data_offset, z.nbytes)
-            pwrite_all(self.fd, z.tail(crc), at + z.data_offset + z.nbytes)
-            start_writeback(self.fd, at, z.length)
-            self.written[ent.name] = (ent.shape, np.dtype(self.dtypes[key]), at, z.length)
-            self.end = at + z.length
+            self._close_entry(ent.name, z, at, crc, ent.shape, self.dtypes[key])
 
     def finish(self) -> None:
         m = self.cfg.model
