@@ -96,6 +96,24 @@ def disk_bandwidth(where: Path, nbytes: int) -> tuple[float, float]:
     return read, write
 
 
+def fresh_memory_rate(nbytes: int = 2**30, pause: float = 5.0) -> tuple[float, float]:
+    """(after a pause, at once again) bytes/s of touching ``nbytes`` of newly allocated memory.
+
+    On a VM whose free memory goes back to the host (free-page reporting, ballooning), a page
+    the kernel hands out after a pause must be provided again by the host: the first figure. The
+    second allocates right after freeing the same amount, so the kernel reuses warm pages.
+    Every byte a conversion moves through the page cache takes such a page unless the cache is
+    recycled (jaxmoe.port.page_cache)."""
+    time.sleep(pause)
+    rates = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        a = np.ones(nbytes, np.uint8)
+        rates.append(nbytes / (time.perf_counter() - t0))
+        del a
+    return rates[0], rates[1]
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
@@ -163,8 +181,11 @@ def write_synthetic_hf(cfg, out: Path) -> int:
     return w.total_size
 
 
-def run_child(argv: list[str]) -> dict:
+def run_child(argv: list[str], keep_cache: bool = False) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAXMOE_KEEP_PAGE_CACHE", None)
+    if keep_cache:
+        env["JAXMOE_KEEP_PAGE_CACHE"] = "1"
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv)], capture_output=True,
                        text=True, env=env)
     line = [x for x in p.stdout.splitlines() if x.startswith("BENCH ")]
@@ -189,6 +210,13 @@ def main() -> None:
     ap.add_argument("--disk-gb", type=float, default=2.0, help="size of the direct-I/O disk probe")
     ap.add_argument("--keep", help="work in this directory and keep it")
     ap.add_argument("--only", nargs="*", help="run only routes whose name starts with one of these")
+    ap.add_argument("--page-cache", choices=("bounded", "kept", "both"), default="both",
+                    help="run each route with jaxmoe's bounded page cache (the default), with "
+                    "JAXMOE_KEEP_PAGE_CACHE=1 ('kept': the kernel's default), or both, side by "
+                    "side (the order alternating per route)")
+    ap.add_argument("--pause", type=float, default=5.0,
+                    help="seconds of rest before each route (every route starts from the same "
+                    "machine state: on a VM, free pages handed back to the host)")
     args = ap.parse_args()
 
     from jaxmoe.counting import count_params
@@ -209,6 +237,9 @@ def main() -> None:
         disk = min(rd, wr)
         print(f"disk ({work}, O_DIRECT, {args.disk_gb:g} GB, 64 MiB blocks): read "
               f"{rd / 1e6:.0f} MB/s, write {wr / 1e6:.0f} MB/s; 'disk' = {disk / 1e6:.0f} MB/s")
+        paused, warm = fresh_memory_rate()
+        print(f"fresh memory (1 GiB touched): {paused / 1e6:.0f} MB/s after a 5 s pause, "
+              f"{warm / 1e6:.0f} MB/s right after freeing the same amount")
         t0 = time.perf_counter()
         size = write_synthetic_hf(cfg, work / "hf")
         print(f"config: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
@@ -256,20 +287,27 @@ def main() -> None:
             steps = [s for s in steps if any(s[0].startswith(o) for o in args.only)]
         print(f"{'route':30s} {'seconds':>8s} {'(fsync)':>8s} {'MB/s':>6s} {'x disk':>7s} "
               f"{'peak RSS MB':>12s} {'RSS/leaf':>9s} {'(RSS-base)/per-layer':>21s}")
+        modes = {"bounded": [False], "kept": [True], "both": [True, False]}[args.page_cache]
         for i, (name, src, argv, out) in enumerate(steps):
             if not (work / src).exists():
                 print(f"{name:30s} (skipped: {src} was not made)")
                 continue
-            drop_cache(work / src)
-            r = run_child(["convert", *argv])
-            sync = fsync_tree(work / out)
-            secs = r["seconds"] + sync
-            mbs = size / 1e6 / secs
-            print(f"{name:30s} {secs:8.2f} {sync:8.2f} {mbs:6.0f} {mbs * 1e6 / disk:7.2f} "
-                  f"{r['peak_rss'] / 1e6:12.0f} {r['peak_rss'] / big:9.2f} "
-                  f"{(r['peak_rss'] - base['peak_rss']) / per_layer:21.2f}", flush=True)
-            if out.startswith("hf") and out != "hf":
-                print(f"  hf -> ... -> {out} bit-exact: {same_hf(work / 'hf', work / out)}")
+            for j, keep_cache in enumerate(modes if i % 2 == 0 else modes[::-1]):
+                if j:  # the other mode's output: checked, then removed for this run
+                    path = work / out
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                drop_cache(work / src)
+                time.sleep(args.pause)
+                r = run_child(["convert", *argv], keep_cache)
+                sync = fsync_tree(work / out)
+                secs = r["seconds"] + sync
+                mbs = size / 1e6 / secs
+                label = name + (" [kept]" if keep_cache and len(modes) > 1 else "")
+                print(f"{label:30s} {secs:8.2f} {sync:8.2f} {mbs:6.0f} {mbs * 1e6 / disk:7.2f} "
+                      f"{r['peak_rss'] / 1e6:12.0f} {r['peak_rss'] / big:9.2f} "
+                      f"{(r['peak_rss'] - base['peak_rss']) / per_layer:21.2f}", flush=True)
+                if out.startswith("hf") and out != "hf":
+                    print(f"  hf -> ... -> {out} bit-exact: {same_hf(work / 'hf', work / out)}")
             later = {s[1] for s in steps[i + 1:]}
             if out not in later and not args.keep:
                 path = work / out

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxmoe.port import page_cache
+
 
 def _file_mapping(arr) -> mmap.mmap | None:
     """The ``mmap`` behind a numpy array (an ``np.memmap`` or a view of one), else None."""
@@ -74,6 +76,24 @@ def _zarr_metadata(spec, field: str = "chunks"):
             yield spec["metadata"]
         for v in spec.values():
             yield from _zarr_metadata(v, field)
+
+
+def _kvstore_root(spec) -> str | None:
+    """The local directory a TensorStore spec writes under (an OCDBT ``base`` or a ``file``
+    kvstore's ``path``), or None (another kvstore)."""
+    if isinstance(spec, dict):
+        base = spec.get("base")
+        if isinstance(base, str) and base.startswith("file://"):
+            return base[len("file://"):]
+        if isinstance(base, dict) and base.get("driver") == "file":
+            return base.get("path")
+        if spec.get("driver") == "file" and isinstance(spec.get("path"), str):
+            return spec["path"]
+        for v in spec.values():
+            root = _kvstore_root(v)
+            if root is not None:
+                return root
+    return None
 
 
 class StreamLeaf:
@@ -174,11 +194,15 @@ class StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
         async with self._lock:
             self.trace.append(("start", 0))
             n, pending = 0, []  # pending: up to STREAM_WRITES_IN_FLIGHT chunk writes
+            root = _kvstore_root(tspec)  # TensorStore's files: flushed and dropped as they grow
+            dropper = page_cache.TreeDropper(root) if root is not None else None
             try:  # (Orbax refuses 0-size arrays before this point)
                 t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
                 lazy = isinstance(value, StreamLeaf)
                 free: list[np.ndarray] = []  # chunk buffers of a StreamLeaf, written: reused
-                for box in _chunk_boxes(value.shape, t.chunk_layout.write_chunk.shape):
+                grid = t.chunk_layout.write_chunk.shape
+                chunks = int(np.prod([-(-n_ // max(c, 1)) for n_, c in zip(value.shape, grid)]))
+                for box in _chunk_boxes(value.shape, grid):
                     if lazy:  # filled from the source here, copied by TensorStore, reused after
                         shape = tuple(b.stop - b.start for b in box)
                         buf = next((i for i, b in enumerate(free) if b.shape == shape), None)
@@ -187,16 +211,20 @@ class StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
                     else:  # a view of the leaf (a memmap's pages, dropped as chunks complete)
                         data = value[box]
                     pending.append((t[box].write(data, can_reference_source_data_indefinitely=not lazy),
-                                    data if lazy else None))
+                                    data))
                     n += 1
-                    if len(pending) >= STREAM_WRITES_IN_FLIGHT:
+                    while pending and (len(pending) >= STREAM_WRITES_IN_FLIGHT or n == chunks):
                         w, done = pending.pop(0)
                         await w
-                        if done is not None:
+                        if lazy:
                             free.append(done)
-                        release_pages(value)
-                for w, _ in pending:
-                    await w
+                        else:  # the memmap's pages: out of this process and of the page cache
+                            release_pages(value)
+                            page_cache.drop_view(done)
+                        if dropper is not None:
+                            dropper.moved(done.nbytes)
+                if dropper is not None:
+                    page_cache.drop_tree(root)
             finally:
                 release_pages(value)
                 if isinstance(value, StreamLeaf):

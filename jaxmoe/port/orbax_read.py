@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmoe.port import page_cache
+
 
 def open_array(state_dir, key: str):
     """A TensorStore handle for the array at pytree path ``key`` (``"params/moe/..."``) of the
@@ -50,8 +52,10 @@ class LeafSlices:
     ``view[()]`` reads the whole leaf; :meth:`rows` the first ``n`` rows of the leading axis.
     """
 
-    def __init__(self, store, dtype=None):
+    def __init__(self, store, dtype=None, root=None):
         self.store = store
+        # the checkpoint's files: their pages are dropped as blocks are read (page_cache)
+        self._dropper = page_cache.TreeDropper(root) if root is not None else None
         self.shape = tuple(int(n) for n in store.shape)
         self.ndim = len(self.shape)
         self.dtype = np.dtype(dtype if dtype is not None else store.dtype.numpy_dtype)
@@ -65,6 +69,8 @@ class LeafSlices:
 
     def _read(self, box) -> np.ndarray:
         arr = np.asarray(self.store[box].read().result())
+        if self._dropper is not None:
+            self._dropper.moved(arr.nbytes)
         self.reads += 1
         self.max_block_bytes = max(self.max_block_bytes, arr.nbytes)
         return arr.astype(self.dtype, copy=False)

@@ -36,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxmoe.errors import UserError
+from jaxmoe.port import page_cache
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -182,6 +183,7 @@ class SafetensorsReader:
             raise UserError(f"{info.file}: tensor {name} has {info.nbytes} bytes for shape "
                             f"{list(info.shape)} {dtype_tag(info.dtype)}")
         arr = np.fromfile(info.file, dtype=info.dtype, count=count, offset=info.offset)
+        page_cache.drop_path(info.file, info.offset, info.nbytes)
         return arr.reshape(info.shape)
 
     def read_into(self, name: str, out: np.ndarray) -> None:
@@ -192,13 +194,14 @@ class SafetensorsReader:
                 or not out.flags.c_contiguous or out.nbytes != info.nbytes):
             raise ValueError(f"read_into {name}: target {out.shape} {out.dtype} does not fit")
         view = memoryview(out.reshape(-1).view(np.uint8))
-        with open(info.file, "rb") as f:
+        with open(info.file, "rb", buffering=0) as f:
             f.seek(info.offset)
             done = 0
             while done < info.nbytes:
-                n = f.readinto(view[done:])
+                n = f.readinto(view[done:done + page_cache.PIECE])
                 if not n:
                     raise UserError(f"{info.file}: truncated while reading tensor {name}")
+                page_cache.drop(f.fileno(), info.offset + done, n)  # read once: free its pages
                 done += n
 
 
@@ -310,11 +313,7 @@ class SafetensorsWriter:
         data = np.ascontiguousarray(array, dtype=p.dtype)
         fd = os.open(p.file, os.O_WRONLY)
         try:
-            view = memoryview(data.reshape(-1).view(np.uint8))
-            done = 0
-            while done < p.nbytes:
-                done += os.pwrite(fd, view[done:], p.offset + done)
-            start_writeback(fd, p.offset, p.nbytes)
+            page_cache.pwrite_behind(fd, data.reshape(-1).view(np.uint8), p.offset)
         finally:
             os.close(fd)
         p.written = True
@@ -325,47 +324,40 @@ class SafetensorsWriter:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")
 
 
-COPY_BLOCK = 64 * 2**20
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing ``[offset, offset + nbytes)`` of ``fd`` to disk now, without waiting
-    (``posix_fadvise(DONTNEED)`` queues the range's dirty pages for writeback, then drops the
-    clean ones): the disk writes while the next tensor is read, rather than all at the final
-    ``fsync``, and the written bytes do not pile up in the page cache."""
-    try:
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):  # not Linux / not supported: the fsync still writes them
-        pass
+COPY_BLOCK = page_cache.PIECE
 
 
 def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: int) -> None:
     """Copy ``nbytes`` from ``src`` at ``src_offset`` to the existing (pre-sized) ``dst`` at
     ``dst_offset``, inside the kernel (``copy_file_range``: no copy through this process's
-    memory), or in :data:`COPY_BLOCK` pieces through one buffer where the file system cannot."""
+    memory), or through one buffer where the file system cannot; :data:`COPY_BLOCK` at a time,
+    each piece flushed and dropped behind the next and its source pages dropped
+    (:mod:`jaxmoe.port.page_cache`)."""
     fin = os.open(src, os.O_RDONLY)
     try:
         fout = os.open(dst, os.O_WRONLY)
         try:
-            done = 0
+            wb, done, kernel = page_cache.WriteBehind(fout), 0, True
             while done < nbytes:
-                try:
-                    n = os.copy_file_range(fin, fout, min(nbytes - done, 2**30),
-                                           src_offset + done, dst_offset + done)
-                except OSError:  # EXDEV, ENOSYS, EINVAL (e.g. across file systems)
-                    n = 0
-                if n <= 0:
-                    break
+                want = min(nbytes - done, COPY_BLOCK)
+                n = 0
+                if kernel:
+                    try:
+                        n = os.copy_file_range(fin, fout, want, src_offset + done, dst_offset + done)
+                    except OSError:  # EXDEV, ENOSYS, EINVAL (e.g. across file systems)
+                        n = 0
+                    kernel = n > 0
+                if n <= 0:  # fallback (or a short source: caught here)
+                    chunk = os.pread(fin, want, src_offset + done)
+                    if not chunk:
+                        raise UserError(f"{src}: truncated ({nbytes} bytes wanted at {src_offset})")
+                    view = memoryview(chunk)
+                    while n < len(view):
+                        n += os.pwrite(fout, view[n:], dst_offset + done + n)
+                page_cache.drop(fin, src_offset + done, n)
+                wb.wrote(dst_offset + done, n)
                 done += n
-            while done < nbytes:  # fallback (or a short source: caught below)
-                chunk = os.pread(fin, min(nbytes - done, COPY_BLOCK), src_offset + done)
-                if not chunk:
-                    raise UserError(f"{src}: truncated ({nbytes} bytes wanted at {src_offset})")
-                view, k = memoryview(chunk), 0
-                while k < len(view):
-                    k += os.pwrite(fout, view[k:], dst_offset + done + k)
-                done += len(chunk)
-            start_writeback(fout, dst_offset, nbytes)
+            wb.close()
         finally:
             os.close(fout)
     finally:
@@ -385,5 +377,5 @@ def write_tensors(target, tensors: dict, metadata=None, shard_size=None, single_
 __all__ = [
     "COPY_BLOCK", "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "SafetensorsReader", "SafetensorsWriter",
     "TensorInfo", "copy_bytes", "dequantize_fp8", "dtype_tag", "parse_size", "read_header",
-    "start_writeback", "write_tensors",
+    "write_tensors",
 ]

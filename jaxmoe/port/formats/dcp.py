@@ -49,12 +49,11 @@ import numpy as np
 from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
-from jaxmoe.port import titan_map
+from jaxmoe.port import page_cache, titan_map
 from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
 from jaxmoe.port.dcp_meta import metadata_bytes
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, RawTensor, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into, transposed
-from jaxmoe.port.safetensors_io import start_writeback
 from jaxmoe.port.torch_save import TensorZip, crc32_of, pwrite_all
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +297,7 @@ class DcpSink(Sink):
             fused: dict[str, tuple[np.ndarray, set]] = {}  # a fused wqkv: its q/k/v rows come from 3 leaves
             for key, ents in groups.items():
                 view = LeafSlices(open_array(src.state_dir, f"{self.adam_prefix}/{m}/{key.split('/', 1)[1]}"),
-                                  np.float32)
+                                  np.float32, root=src.state_dir)
                 for ent in ents:
                     part = titan_map.titan_part(np.asarray(view[ent.index] if ent.index else view[()]), ent)
                     if not ent.qkv:
@@ -340,7 +339,7 @@ class DcpSink(Sink):
         a = np.array(a, order="C", copy=not a.flags.c_contiguous)  # ascontiguousarray makes 0-d 1-d
         z, at = TensorZip(a.dtype, a.shape), self.end
         data = a.reshape(-1).view(np.uint8) if a.size else b""
-        pwrite_all(self.fd, data, at + z.data_offset)
+        page_cache.pwrite_behind(self.fd, data, at + z.data_offset)
         self._close_entry(name, z, at, zlib.crc32(data), a.shape, a.dtype)
 
     def _close_entry(self, name: str, z: TensorZip, at: int, crc: int, shape, dtype) -> None:
@@ -348,7 +347,7 @@ class DcpSink(Sink):
         (headers; closing records with their CRC-32), queue it for writeback, record it."""
         pwrite_all(self.fd, z.head, at)
         pwrite_all(self.fd, z.tail(crc), at + z.data_offset + z.nbytes)
-        start_writeback(self.fd, at, z.length)
+        page_cache.start(self.fd, at, z.length)
         self.written[name] = (tuple(shape), np.dtype(dtype), at, z.length)
         self.end = at + z.length
 

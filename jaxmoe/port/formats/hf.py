@@ -25,7 +25,7 @@ from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import from_hf_config, to_hf_config
-from jaxmoe.port import hf_map
+from jaxmoe.port import hf_map, page_cache
 from jaxmoe.port.formats.base import (
     TITAN_OPTION,
     Endpoint,
@@ -42,7 +42,6 @@ from jaxmoe.port.safetensors_io import (
     SafetensorsWriter,
     dequantize_fp8,
     parse_size,
-    start_writeback,
 )
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -375,11 +374,13 @@ class PartWriter(SafetensorsWriter):
         runs = data.reshape(int(np.prod(p.shape[:dim], dtype=np.int64)), -1).view(np.uint8)
         fd = os.open(p.file, os.O_WRONLY)
         try:
+            wb = page_cache.WriteBehind(fd)
             for i, run in enumerate(runs):
                 at, view, done = p.offset + (i * p.shape[dim] + start) * inner, memoryview(run), 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], at + done)
-                start_writeback(fd, at, len(view))
+                wb.wrote(at, len(view))
+            wb.close()
         finally:
             os.close(fd)
         got.append((start, stop))

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxmoe.config import Config, load_config
 from jaxmoe.errors import UserError
-from jaxmoe.port import hf_map
+from jaxmoe.port import hf_map, page_cache
 from jaxmoe.port.formats.base import Endpoint, Format, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into
 from jaxmoe.port.hf_meta import HF_META_DIR, keep_in_run_dir
@@ -123,7 +123,8 @@ class OrbaxSource(Source):
         from jaxmoe.port.orbax_read import LeafSlices, open_array
 
         try:
-            return LeafSlices(open_array(self.state_dir, key), dtype or self.leaf_dtype(key))
+            return LeafSlices(open_array(self.state_dir, key), dtype or self.leaf_dtype(key),
+                              root=self.state_dir)
         except OSError as e:
             raise UserError(f"{self.ep}: cannot read leaf {key} ({e})") from None
 
@@ -207,6 +208,7 @@ class ViewFiller:
             self.calls += 1
             part = self.view[tuple(b.start + i for b, i in zip(lead, at))]
             copy_into(out[at], part[rest])
+            page_cache.drop_view(part[rest])  # a map of the source's file: its pages are used
 
     def release(self) -> None:
         """Drop the view (and what it keeps: its last block) once the leaf is written."""
@@ -295,6 +297,7 @@ class OrbaxSink(Sink):
         buf.flush()
         release_pages(buf)
         del buf
+        page_cache.drop_path(path)  # written back by the flush: read again when saved
         self.spilled.append(key)
         return np.memmap(path, dtype=arr.dtype, mode="r", shape=arr.shape)
 

@@ -1,0 +1,175 @@
+"""jaxmoe.port.page_cache: what a conversion writes or reads does not stay in the page cache.
+
+Residency is read with ``mincore`` on a read-only map of the file (mapping faults nothing in).
+Each test also shows the check can fail: the same bytes written or read without the module stay
+cached.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxmoe.port import page_cache
+from jaxmoe.port.safetensors_io import SafetensorsReader, SafetensorsWriter
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux page cache")
+
+MiB = 2**20
+PAGE = mmap.PAGESIZE
+
+
+def resident(path) -> int:
+    """Bytes of ``path`` in the page cache."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    try:
+        view = np.frombuffer(mm, np.uint8)
+        vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        del view
+        return sum(v & 1 for v in vec) * PAGE
+    finally:
+        mm.close()
+
+
+def cached_file(path: Path, nbytes: int, seed: int = 0) -> bytes:
+    """A file of random bytes written the plain way and synced: its pages stay in the cache,
+    clean (as a source's are: a hint drops clean pages only)."""
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return data
+
+
+@pytest.fixture(autouse=True)
+def _bounded(monkeypatch):
+    monkeypatch.delenv("JAXMOE_KEEP_PAGE_CACHE", raising=False)
+
+
+def test_plain_writes_stay_cached(tmp_path):
+    """The control for every test here: written bytes stay cached unless dropped."""
+    cached_file(tmp_path / "a.bin", 24 * MiB)
+    assert resident(tmp_path / "a.bin") >= 20 * MiB
+
+
+def test_pwrite_behind_keeps_at_most_two_pieces(tmp_path, monkeypatch):
+    data = np.random.default_rng(1).integers(0, 256, 48 * MiB, dtype=np.uint8)
+    path = tmp_path / "out.bin"
+    seen = []
+    settle = page_cache.settle
+
+    def spy(fd, offset=0, nbytes=0):
+        settle(fd, offset, nbytes)
+        seen.append(resident(path))
+
+    monkeypatch.setattr(page_cache, "settle", spy)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        page_cache.pwrite_behind(fd, data, 0, piece=4 * MiB)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data.tobytes()
+    assert len(seen) == 12  # one settle per 4 MiB piece
+    assert max(seen) <= 8 * MiB, [s // MiB for s in seen]
+    page_cache.drop_path(path)  # read_bytes above cached it again
+
+
+def test_keep_page_cache_opts_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXMOE_KEEP_PAGE_CACHE", "1")
+    assert not page_cache.bounded()
+    cached_file(tmp_path / "a.bin", 8 * MiB)
+    page_cache.drop_path(tmp_path / "a.bin")
+    assert resident(tmp_path / "a.bin") >= 6 * MiB
+
+
+def test_copy_bytes_drops_source_and_destination(tmp_path, monkeypatch):
+    from jaxmoe.port import safetensors_io
+
+    monkeypatch.setattr(safetensors_io, "COPY_BLOCK", 4 * MiB)
+    data = cached_file(tmp_path / "src.bin", 40 * MiB)
+    dst = tmp_path / "dst.bin"
+    with open(dst, "wb") as f:
+        f.truncate(40 * MiB + 4096)
+    safetensors_io.copy_bytes(tmp_path / "src.bin", 0, dst, 4096, 40 * MiB)
+    assert resident(tmp_path / "src.bin") <= 2 * MiB
+    assert resident(dst) <= 2 * MiB
+    with open(dst, "rb") as f:
+        f.seek(4096)
+        assert f.read() == data
+
+
+def test_safetensors_write_and_read_leave_nothing_cached(tmp_path):
+    arr = np.random.default_rng(2).standard_normal((8, 1024, 1024), dtype=np.float32)  # 32 MiB
+    w = SafetensorsWriter(tmp_path / "m.safetensors", [("w", arr.shape, arr.dtype)],
+                          single_file=True)
+    w.write("w", arr)
+    w.close()
+    assert resident(tmp_path / "m.safetensors") <= 2 * MiB
+    r = SafetensorsReader(tmp_path / "m.safetensors")
+    out = np.empty_like(arr)
+    r.read_into("w", out)
+    np.testing.assert_array_equal(out, arr)
+    assert resident(tmp_path / "m.safetensors") <= 2 * MiB
+    np.testing.assert_array_equal(r.get("w"), arr)
+    assert resident(tmp_path / "m.safetensors") <= 2 * MiB
+
+
+def test_drop_view_drops_exactly_the_view(tmp_path):
+    cached_file(tmp_path / "m.bin", 16 * MiB + 4096)
+    m = np.memmap(tmp_path / "m.bin", np.float32, "r", offset=4096, shape=(4, 1024, 1024))
+    part = np.asarray(m[1], np.float32)  # a view: asarray of the same dtype copies nothing
+    assert page_cache._file_range(part) == (str(tmp_path / "m.bin"), 4096 + 4 * MiB, 4 * MiB)
+    page_cache.drop_view(part)  # [4 MiB + 4 KiB, 8 MiB + 4 KiB), moved to 2 MiB folios
+    left = resident(tmp_path / "m.bin")
+    assert 10 * MiB <= left <= 12 * MiB + 4096, left / MiB
+    assert page_cache._file_range(np.array(m[1])) is None  # a copy: no file under it
+    page_cache.drop_view(np.ones(3))  # not a map: nothing to do
+
+
+def test_kvstore_root():
+    from jaxmoe.checkpoint_stream import _kvstore_root
+
+    assert _kvstore_root({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": "file:///x/y",
+                                                       "path": "a.b"}}) == "/x/y"
+    assert _kvstore_root({"kvstore": {"driver": "ocdbt", "base": {"driver": "file", "path": "/z"}}}) == "/z"
+    assert _kvstore_root({"kvstore": {"driver": "file", "path": "/w/a"}}) == "/w/a"
+    assert _kvstore_root({"kvstore": {"driver": "gcs", "bucket": "b"}}) is None
+
+
+def test_streaming_save_leaves_checkpoint_and_source_uncached(tmp_path):
+    """A streaming save (``convert --to orbax:``) of a 32 MiB memmap leaf: neither the Orbax
+    files written nor the source file read stay in the cache."""
+    from jaxmoe import checkpoint
+
+    src = tmp_path / "leaf.bin"
+    cached_file(src, 32 * MiB)
+    leaf = np.memmap(src, np.float32, "r", shape=(8, 1024, 1024))
+    ck = checkpoint.Checkpointer(tmp_path / "run", keep=0, async_save=False, stream_numpy=True)
+    try:
+        ck.save(0, {"params": {"w": leaf}, "buffers": {}}, {})
+    finally:
+        ck.close()
+    files = [f for f in (tmp_path / "run").rglob("*") if f.is_file()]
+    written = sum(f.stat().st_size for f in files)
+    assert written >= 32 * MiB
+    assert sum(resident(f) for f in files) <= 4 * MiB
+    assert resident(src) <= 4 * MiB
+    from jaxmoe.port.orbax_read import open_array
+
+    back = open_array(tmp_path / "run" / "0" / "state", "params/w").read().result()
+    np.testing.assert_array_equal(back, leaf)
