@@ -173,3 +173,45 @@ def test_streaming_save_leaves_checkpoint_and_source_uncached(tmp_path):
 
     back = open_array(tmp_path / "run" / "0" / "state", "params/w").read().result()
     np.testing.assert_array_equal(back, leaf)
+
+
+def test_writer_in_flight_writes_the_same_file_and_raises_late_errors(tmp_path):
+    rng = np.random.default_rng(3)
+    tensors = {f"t{i}": rng.standard_normal((64, 96)).astype(np.float32) for i in range(6)}
+    plan = [(k, v.shape, v.dtype) for k, v in tensors.items()]
+    for name, in_flight in (("sync", 0), ("async", 2)):
+        w = SafetensorsWriter(tmp_path / f"{name}.safetensors", plan, single_file=True, in_flight=in_flight)
+        for k, v in tensors.items():
+            w.write(k, v)
+        w.close()
+    assert (tmp_path / "sync.safetensors").read_bytes() == (tmp_path / "async.safetensors").read_bytes()
+    # a failure in the writer thread is raised by the caller's next write or close
+    w = SafetensorsWriter(tmp_path / "bad.safetensors", [("a", (2,), np.float32)], single_file=True,
+                          in_flight=2)
+    w.write("a", np.array(["x", "y"]))  # cast in the writer thread: fails there
+    with pytest.raises(ValueError):
+        w.close()
+
+
+def test_leaf_slices_read_ahead(tmp_path):
+    """Reading in order: each block read once, the next one already asked for; any order:
+    the right values (a read-ahead that does not match is dropped)."""
+    import tensorstore as ts
+
+    from jaxmoe.port.orbax_read import LeafSlices
+
+    vals = np.random.default_rng(4).standard_normal((3, 4, 5, 6)).astype(np.float32)
+    store = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "a")},
+                     "metadata": {"shape": list(vals.shape), "chunks": [1, 2, 5, 6], "dtype": "<f4"}},
+                    create=True).result()
+    store.write(vals).result()
+    view = LeafSlices(ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "a")}}).result(),
+                      root=tmp_path / "a")
+    for layer in range(3):
+        for e in range(4):
+            np.testing.assert_array_equal(view[(layer, e)], vals[layer, e])
+            nxt = (layer, 2) if e < 2 else (layer + 1, 0) if layer < 2 else None
+            assert (view._next[0] if view._next is not None else None) == nxt
+    assert view.reads == 6 and view._next is None  # 3 x 2 blocks, nothing after the last
+    for idx in [(2, 1), (0, 3), (1, 0), (0, 0), (2, 3)]:
+        np.testing.assert_array_equal(view[idx], vals[idx])

@@ -48,7 +48,8 @@ class LeafSlices:
     ``(layer, expert)``, as :class:`jaxmoe.port.hf_map.Entry.index`) returns that slice as a numpy
     array of ``dtype``. The read covers the block of the leading axes that holds ``index``, aligned
     to the array's read chunks, and is kept until an index outside it is asked for: reading the
-    slices in order (what :class:`jaxmoe.port.formats.hf.HfTensorSink` does) reads each chunk once.
+    slices in order (what :class:`jaxmoe.port.formats.hf.HfTensorSink` does) reads each chunk once,
+    and the next block is read while this one is used (so memory holds two blocks).
     ``view[()]`` reads the whole leaf; :meth:`rows` the first ``n`` rows of the leading axis.
     """
 
@@ -64,11 +65,12 @@ class LeafSlices:
         self.chunk = tuple(int(c) if c else n for c, n in zip(chunk, self.shape))
         self._start: tuple | None = None
         self._block: np.ndarray | None = None
+        self._next: tuple | None = None  # (start, TensorStore read future) of the next block
         self.reads = 0  # number of blocks read (tests)
         self.max_block_bytes = 0
 
-    def _read(self, box) -> np.ndarray:
-        arr = np.asarray(self.store[box].read().result())
+    def _read(self, box, pending=None) -> np.ndarray:
+        arr = np.asarray((pending if pending is not None else self.store[box].read()).result())
         if self._dropper is not None:
             self._dropper.moved(arr.nbytes)
         self.reads += 1
@@ -86,11 +88,29 @@ class LeafSlices:
         start = tuple((int(i) // c) * c for i, c in zip(index, self.chunk[:lead]))
         if self._start != start:
             self._block = None  # free the previous block before reading the next
-            box = tuple(slice(s, min(s + c, n))
-                        for s, c, n in zip(start, self.chunk[:lead], self.shape[:lead]))
-            self._block = self._read(box)
+            pending = self._next[1] if self._next is not None and self._next[0] == start else None
+            self._next = None
+            self._block = self._read(self._box(start), pending)
             self._start = start
+            # readers go through the blocks in order: start reading the next one now
+            # (TensorStore reads in its own threads while this block is used)
+            following = self._following(start)
+            if following is not None:
+                self._next = (following, self.store[self._box(following)].read())
         return self._block[tuple(int(i) - s for i, s in zip(index, start))]
+
+    def _box(self, start: tuple) -> tuple:
+        return tuple(slice(s, min(s + c, n)) for s, c, n in zip(start, self.chunk, self.shape))
+
+    def _following(self, start: tuple) -> tuple | None:
+        """The start of the block after ``start`` in C order over the leading axes, or None."""
+        nxt = list(start)
+        for ax in reversed(range(len(start))):
+            nxt[ax] += self.chunk[ax]
+            if nxt[ax] < self.shape[ax]:
+                return tuple(nxt)
+            nxt[ax] = 0
+        return None
 
     def rows(self, n: int) -> np.ndarray:
         """The first ``n`` rows of the leading axis (a truncated layer stack)."""

@@ -25,10 +25,12 @@ DeepSeek-V3 FP8 checkpoints store some ``X.weight`` as float8_e4m3fn with a floa
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,8 +255,15 @@ class SafetensorsWriter:
     """
 
     def __init__(self, target: str | Path, plan, metadata: dict | None = None,
-                 shard_size: int | None = None, single_file: bool = False):
+                 shard_size: int | None = None, single_file: bool = False, in_flight: int = 0):
         target = Path(target)
+        # in_flight > 0: write() hands the bytes to one writer thread and returns while up to
+        # that many tensors are still being written (the caller reads the next one meanwhile);
+        # the caller must not change an array it passed. Errors surface at write() or close().
+        self._in_flight = int(in_flight)
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="jaxmoe-write")
+                      if self._in_flight > 0 else None)
+        self._pending: collections.deque = collections.deque()
         self.planned: dict[str, _Planned] = {}
         # group tensors into shards (a tensor larger than shard_size gets a shard of its own)
         shards: list[list[tuple]] = [[]]
@@ -310,15 +319,34 @@ class SafetensorsWriter:
             raise KeyError(f"tensor {name} written twice")
         if tuple(array.shape) != p.shape:
             raise ValueError(f"tensor {name}: shape {list(array.shape)} != planned {list(p.shape)}")
+        p.written = True
+        if self._pool is None:
+            self._put(p, array)
+            return
+        self._pending.append(self._pool.submit(self._put, p, array))
+        while len(self._pending) > self._in_flight:
+            self._pending.popleft().result()
+
+    @staticmethod
+    def _put(p: _Planned, array) -> None:
         data = np.ascontiguousarray(array, dtype=p.dtype)
         fd = os.open(p.file, os.O_WRONLY)
         try:
             page_cache.pwrite_behind(fd, data.reshape(-1).view(np.uint8), p.offset)
         finally:
             os.close(fd)
-        p.written = True
+
+    def drain(self) -> None:
+        """Wait for the writes in flight; the first failure is raised."""
+        while self._pending:
+            self._pending.popleft().result()
 
     def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
         missing = [n for n, p in self.planned.items() if not p.written]
         if missing:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")

@@ -387,6 +387,11 @@ class PartWriter(SafetensorsWriter):
         p.written = sum(b - a for a, b in got) == p.shape[dim]
 
 
+# tensors an HF / torch sink's writer thread may still be writing when write_leaf returns: the
+# source reads (and transposes) the next while the last are written
+WRITES_IN_FLIGHT = 2
+
+
 class HfTensorSink(Sink):
     """Write leaves as HF-named tensors (:meth:`_writer`, per format, opens the files).
 
@@ -457,7 +462,7 @@ class HfSink(HfTensorSink):
         self.target.mkdir(parents=True)
         hf_cfg = to_hf_config(cfg, dtype=str(np.dtype(dtypes["params/embed"])))
         (self.target / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        return PartWriter(self.target, plan, shard_size=self.shard_size)
+        return PartWriter(self.target, plan, shard_size=self.shard_size, in_flight=WRITES_IN_FLIGHT)
 
     def carry(self, files: list[Path], log=None) -> list[str]:
         return merge_into_hf_dir(files, self.target)

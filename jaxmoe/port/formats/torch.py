@@ -13,7 +13,7 @@ from pathlib import Path
 from jaxmoe.config import Config, config_from_dict, validate
 from jaxmoe.errors import UserError
 from jaxmoe.port.formats.base import Endpoint, Format
-from jaxmoe.port.formats.hf import HfTensorSink, HfTensorSource, PartWriter
+from jaxmoe.port.formats.hf import WRITES_IN_FLIGHT, HfTensorSink, HfTensorSource, PartWriter
 from jaxmoe.port.safetensors_io import SafetensorsReader
 
 TORCH_CONFIG_KEY = "jaxmoe_config"
@@ -47,7 +47,7 @@ class TorchSink(HfTensorSink):
 
     def _writer(self, cfg: Config, dtypes: dict, plan: list) -> PartWriter:
         return PartWriter(self.target, plan, metadata={TORCH_CONFIG_KEY: cfg.to_json()},
-                           single_file=True)
+                           single_file=True, in_flight=WRITES_IN_FLIGHT)
 
 
 class TorchFormat(Format):
