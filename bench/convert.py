@@ -1,6 +1,7 @@
 """Checkpoint conversion throughput, as a fraction of the disk's, and peak memory.
 
     python bench/convert.py [--gb 2] [--experts 64] [--disk-gb 2] [--keep DIR] [--only ROUTE ...]
+                            [--page-cache both|bounded|kept] [--pause 5]
 
 1. Measures the disk under the bench's temporary directory in the same run: a ``--disk-gb`` file
    written sequentially with ``O_DIRECT`` (64 MiB blocks from a page-aligned buffer, then one
@@ -21,6 +22,13 @@
    Routes: hf -> torch, torch -> hf (1GB shards), hf -> orbax, orbax -> hf, hf -> dcp,
    dcp -> hf, dcp -> orbax, orbax -> dcp, and with transformers
    ``hf -> orbax --verify --verify-layers 1`` (not a throughput route: it also runs two models).
+   Each route runs after ``--pause`` seconds of rest and, with ``--page-cache both`` (the
+   default), twice side by side (the order alternating per route): with jaxmoe's bounded page
+   cache (:mod:`jaxmoe.port.page_cache`) and with ``JAXMOE_KEEP_PAGE_CACHE=1`` (the kernel's
+   default, rows marked ``[kept]``). Before the routes it times touching 1 GiB of fresh memory
+   after a 5 s pause and again at once: on a VM that hands free pages back to the host the first
+   is far slower, and every byte that goes through the page cache without being recycled pays
+   it.
 4. Prints each route's MB/s (model bytes / seconds) and its ratio to the disk, peak RSS next to
    the largest leaf (a stacked expert weight ``[Lm, E, D, I]``) and the largest per-layer tensor
    (one layer's slice, ``[E, D, I]``), and checks the HF copies are bit-identical to the

@@ -216,6 +216,10 @@ class LeafView:
 
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
+        one = self.rows.get(())
+        if one is not None and not one.qkv:  # a global leaf of one tensor: a map of its bytes
+            # where it is one chunk of this dtype (no copy; the sink reads what it needs)
+            return np.asarray(titan_map.jax_part(self.src._tensor(one.name), one), self.dtype)[index]
         if () in self.rows or index == ():  # a global leaf (one tensor), or the whole leaf asked for
             return self.src.read_leaf(self.key, self.dtype)[index]
         ent = self.rows[(int(index[0]),)]

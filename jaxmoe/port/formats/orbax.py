@@ -202,6 +202,7 @@ class ViewFiller:
                 self.calls += 1
                 self._whole = np.asarray(self.view[()])
             copy_into(out, self._whole[box])
+            page_cache.drop_view(self._whole[box])  # when it maps the source's file
             return
         lead, rest = box[:self.depth], box[self.depth:]
         for at in np.ndindex(*[b.stop - b.start for b in lead]):
