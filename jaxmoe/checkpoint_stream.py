@@ -78,7 +78,7 @@ def _zarr_metadata(spec, field: str = "chunks"):
             yield from _zarr_metadata(v, field)
 
 
-def _kvstore_root(spec) -> str | None:
+def kvstore_root(spec) -> str | None:
     """The local directory a TensorStore spec writes under (an OCDBT ``base`` or a ``file``
     kvstore's ``path``), or None (another kvstore)."""
     if isinstance(spec, dict):
@@ -90,7 +90,7 @@ def _kvstore_root(spec) -> str | None:
         if spec.get("driver") == "file" and isinstance(spec.get("path"), str):
             return spec["path"]
         for v in spec.values():
-            root = _kvstore_root(v)
+            root = kvstore_root(v)
             if root is not None:
                 return root
     return None
@@ -194,7 +194,7 @@ class StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
         async with self._lock:
             self.trace.append(("start", 0))
             n, pending = 0, []  # pending: up to STREAM_WRITES_IN_FLIGHT chunk writes
-            root = _kvstore_root(tspec)  # TensorStore's files: flushed and dropped as they grow
+            root = kvstore_root(tspec)  # TensorStore's files: flushed and dropped as they grow
             dropper = page_cache.TreeDropper(root) if root is not None else None
             try:  # (Orbax refuses 0-size arrays before this point)
                 t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
@@ -274,5 +274,5 @@ def streaming_state_handler(numpy_handler) -> ocp.StandardCheckpointHandler:
     return handler
 
 
-__all__ = ["STREAM_WRITES_IN_FLIGHT", "StreamLeaf", "StreamingNumpyHandler", "release_pages",
+__all__ = ["STREAM_WRITES_IN_FLIGHT", "StreamLeaf", "StreamingNumpyHandler", "kvstore_root", "release_pages",
            "streaming_registry", "streaming_state_handler"]

@@ -133,22 +133,22 @@ def test_drop_view_drops_exactly_the_view(tmp_path):
     cached_file(tmp_path / "m.bin", 16 * MiB + 4096)
     m = np.memmap(tmp_path / "m.bin", np.float32, "r", offset=4096, shape=(4, 1024, 1024))
     part = np.asarray(m[1], np.float32)  # a view: asarray of the same dtype copies nothing
-    assert page_cache._file_range(part) == (str(tmp_path / "m.bin"), 4096 + 4 * MiB, 4 * MiB)
+    assert page_cache.file_range(part) == (str(tmp_path / "m.bin"), 4096 + 4 * MiB, 4 * MiB)
     page_cache.drop_view(part)  # [4 MiB + 4 KiB, 8 MiB + 4 KiB), moved to 2 MiB folios
     left = resident(tmp_path / "m.bin")
     assert 10 * MiB <= left <= 12 * MiB + 4096, left / MiB
-    assert page_cache._file_range(np.array(m[1])) is None  # a copy: no file under it
+    assert page_cache.file_range(np.array(m[1])) is None  # a copy: no file under it
     page_cache.drop_view(np.ones(3))  # not a map: nothing to do
 
 
-def test_kvstore_root():
-    from jaxmoe.checkpoint_stream import _kvstore_root
+def testkvstore_root():
+    from jaxmoe.checkpoint_stream import kvstore_root
 
-    assert _kvstore_root({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": "file:///x/y",
+    assert kvstore_root({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": "file:///x/y",
                                                        "path": "a.b"}}) == "/x/y"
-    assert _kvstore_root({"kvstore": {"driver": "ocdbt", "base": {"driver": "file", "path": "/z"}}}) == "/z"
-    assert _kvstore_root({"kvstore": {"driver": "file", "path": "/w/a"}}) == "/w/a"
-    assert _kvstore_root({"kvstore": {"driver": "gcs", "bucket": "b"}}) is None
+    assert kvstore_root({"kvstore": {"driver": "ocdbt", "base": {"driver": "file", "path": "/z"}}}) == "/z"
+    assert kvstore_root({"kvstore": {"driver": "file", "path": "/w/a"}}) == "/w/a"
+    assert kvstore_root({"kvstore": {"driver": "gcs", "bucket": "b"}}) is None
 
 
 def test_streaming_save_leaves_checkpoint_and_source_uncached(tmp_path):

@@ -13,7 +13,7 @@ Writing in 64 MiB pieces, each flushed and dropped behind the writer, recycles t
 pages: 937-1726 MB/s for the same write (docs/MEASUREMENTS.md, "Conversion: the page cache").
 
 How. :class:`WriteBehind` starts each written piece's writeback at once
-(``sync_file_range(WRITE)``) and, one piece later, waits for it and drops it
+(``syncfile_range(WRITE)``) and, one piece later, waits for it and drops it
 (``POSIX_FADV_DONTNEED`` drops clean pages only, hence the wait): the disk writes piece ``i``
 while the caller produces piece ``i + 1``. Reads drop the range they consumed (:func:`drop`).
 TensorStore's own files (Orbax) are dropped by directory (:func:`drop_tree`).
@@ -35,10 +35,10 @@ PIECE = 64 * 2**20  # bytes written / copied between two flushes
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
 
 
-def _load_sync_file_range():
+def _load_syncfile_range():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
+        fn = libc.syncfile_range
     except (OSError, AttributeError):  # not glibc / not Linux
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -46,7 +46,7 @@ def _load_sync_file_range():
     return fn
 
 
-_sync_file_range = _load_sync_file_range()
+_syncfile_range = _load_syncfile_range()
 
 
 def bounded() -> bool:
@@ -101,8 +101,8 @@ def drop_path(path, offset: int = 0, nbytes: int = 0) -> None:
 
 def start(fd: int, offset: int, nbytes: int) -> None:
     """Start writing back ``[offset, offset + nbytes)`` of ``fd`` now, without waiting."""
-    if _sync_file_range is not None and bounded():
-        if _sync_file_range(fd, offset, nbytes, _SYNC_WRITE) == 0:
+    if _syncfile_range is not None and bounded():
+        if _syncfile_range(fd, offset, nbytes, _SYNC_WRITE) == 0:
             return
     try:  # DONTNEED on dirty pages queues their writeback (and drops what is already clean)
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
@@ -115,7 +115,7 @@ def settle(fd: int, offset: int = 0, nbytes: int = 0) -> None:
     drop its pages. Data only: the file's size and metadata wait for the final ``fsync``."""
     if not bounded():
         return
-    if _sync_file_range is None or _sync_file_range(
+    if _syncfile_range is None or _syncfile_range(
             fd, offset, nbytes, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) != 0:
         try:
             os.fdatasync(fd)
@@ -179,7 +179,7 @@ def drop_tree(root) -> None:
                 os.close(fd)
 
 
-def _file_range(arr) -> tuple[str, int, int] | None:
+def file_range(arr) -> tuple[str, int, int] | None:
     """(file, offset, nbytes) of the bytes under ``arr`` when it is (a view of) an ``np.memmap``
     read from a file, else None."""
     import mmap
@@ -209,7 +209,7 @@ def drop_view(arr) -> None:
     used: copied into a chunk, written elsewhere); anything else: nothing to do."""
     if not bounded():
         return
-    where = _file_range(arr)
+    where = file_range(arr)
     if where is not None:
         drop_path(*where)
 
@@ -228,5 +228,5 @@ class TreeDropper:
             drop_tree(self.root)
 
 
-__all__ = ["PIECE", "TreeDropper", "WriteBehind", "bounded", "drop", "drop_path", "drop_tree", "drop_view",
-           "pwrite_behind", "settle", "start"]
+__all__ = ["FOLIO", "PIECE", "TreeDropper", "WriteBehind", "bounded", "drop", "drop_path", "drop_tree", "drop_view",
+           "file_range", "pwrite_behind", "settle", "start"]

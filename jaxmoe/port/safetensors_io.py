@@ -352,6 +352,50 @@ class SafetensorsWriter:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")
 
 
+class PartWriter(SafetensorsWriter):
+    """A :class:`SafetensorsWriter` that also writes *parts* of a tensor (a fused
+    ``gate_up_proj``'s gate or up half, :attr:`jaxmoe.port.hf_map.Entry.hf_part`) straight to their place in
+    the file, so a fused tensor is assembled on disk: nothing waits in memory for its other part.
+    The tensor counts as written once its parts cover it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parts: dict[str, list[tuple[int, int]]] = {}
+
+    def write_part(self, name: str, part: tuple[int, int, int], array: np.ndarray) -> None:
+        p = self.planned[name]
+        dim, start, stop = part
+        want = p.shape[:dim] + (stop - start,) + p.shape[dim + 1:]
+        if p.written or tuple(array.shape) != want or not 0 <= start < stop <= p.shape[dim]:
+            raise ValueError(f"tensor {name}: part {part} of shape {list(array.shape)} does not "
+                             f"fit planned {list(p.shape)} (or written twice)")
+        got = self.parts.setdefault(name, [])
+        if any(a < stop and start < b for a, b in got):
+            raise ValueError(f"tensor {name}: part {part} overlaps one already written")
+        data = np.ascontiguousarray(array, dtype=p.dtype)
+        inner = int(np.prod(p.shape[dim + 1:], dtype=np.int64)) * p.dtype.itemsize
+        # one contiguous byte run per index of the axes before ``dim``
+        runs = data.reshape(int(np.prod(p.shape[:dim], dtype=np.int64)), -1).view(np.uint8)
+        fd = os.open(p.file, os.O_WRONLY)
+        try:
+            wb = page_cache.WriteBehind(fd)
+            for i, run in enumerate(runs):
+                at, view, done = p.offset + (i * p.shape[dim] + start) * inner, memoryview(run), 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], at + done)
+                wb.wrote(at, len(view))
+            wb.close()
+        finally:
+            os.close(fd)
+        got.append((start, stop))
+        p.written = sum(b - a for a, b in got) == p.shape[dim]
+
+
+# tensors an HF / torch sink's writer thread may still be writing when write_leaf returns: the
+# source reads (and transposes) the next while the last are written
+WRITES_IN_FLIGHT = 2
+
+
 COPY_BLOCK = page_cache.PIECE
 
 
@@ -403,7 +447,8 @@ def write_tensors(target, tensors: dict, metadata=None, shard_size=None, single_
 
 
 __all__ = [
-    "COPY_BLOCK", "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "SafetensorsReader", "SafetensorsWriter",
+    "COPY_BLOCK", "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "WRITES_IN_FLIGHT", "PartWriter",
+    "SafetensorsReader", "SafetensorsWriter",
     "TensorInfo", "copy_bytes", "dequantize_fp8", "dtype_tag", "parse_size", "read_header",
     "write_tensors",
 ]

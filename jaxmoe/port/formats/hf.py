@@ -14,7 +14,6 @@ which differs only in where the config lives.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import ml_dtypes
@@ -25,7 +24,7 @@ from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import from_hf_config, to_hf_config
-from jaxmoe.port import hf_map, page_cache
+from jaxmoe.port import hf_map
 from jaxmoe.port.formats.base import (
     TITAN_OPTION,
     Endpoint,
@@ -38,8 +37,9 @@ from jaxmoe.port.formats.base import (
 )
 from jaxmoe.port.hf_meta import merge_into_hf_dir
 from jaxmoe.port.safetensors_io import (
+    WRITES_IN_FLIGHT,
+    PartWriter,
     SafetensorsReader,
-    SafetensorsWriter,
     dequantize_fp8,
     parse_size,
 )
@@ -346,50 +346,6 @@ class HfSource(HfTensorSource):
 # --------------------------------------------------------------------------------------------
 # Writing: jaxmoe leaves as HF-named tensors
 # --------------------------------------------------------------------------------------------
-
-
-class PartWriter(SafetensorsWriter):
-    """A :class:`SafetensorsWriter` that also writes *parts* of a tensor (a fused
-    ``gate_up_proj``'s gate or up half, :attr:`hf_map.Entry.hf_part`) straight to their place in
-    the file, so a fused tensor is assembled on disk: nothing waits in memory for its other part.
-    The tensor counts as written once its parts cover it."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.parts: dict[str, list[tuple[int, int]]] = {}
-
-    def write_part(self, name: str, part: tuple[int, int, int], array: np.ndarray) -> None:
-        p = self.planned[name]
-        dim, start, stop = part
-        want = p.shape[:dim] + (stop - start,) + p.shape[dim + 1:]
-        if p.written or tuple(array.shape) != want or not 0 <= start < stop <= p.shape[dim]:
-            raise ValueError(f"tensor {name}: part {part} of shape {list(array.shape)} does not "
-                             f"fit planned {list(p.shape)} (or written twice)")
-        got = self.parts.setdefault(name, [])
-        if any(a < stop and start < b for a, b in got):
-            raise ValueError(f"tensor {name}: part {part} overlaps one already written")
-        data = np.ascontiguousarray(array, dtype=p.dtype)
-        inner = int(np.prod(p.shape[dim + 1:], dtype=np.int64)) * p.dtype.itemsize
-        # one contiguous byte run per index of the axes before ``dim``
-        runs = data.reshape(int(np.prod(p.shape[:dim], dtype=np.int64)), -1).view(np.uint8)
-        fd = os.open(p.file, os.O_WRONLY)
-        try:
-            wb = page_cache.WriteBehind(fd)
-            for i, run in enumerate(runs):
-                at, view, done = p.offset + (i * p.shape[dim] + start) * inner, memoryview(run), 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], at + done)
-                wb.wrote(at, len(view))
-            wb.close()
-        finally:
-            os.close(fd)
-        got.append((start, stop))
-        p.written = sum(b - a for a, b in got) == p.shape[dim]
-
-
-# tensors an HF / torch sink's writer thread may still be writing when write_leaf returns: the
-# source reads (and transposes) the next while the last are written
-WRITES_IN_FLIGHT = 2
 
 
 class HfTensorSink(Sink):

@@ -13,8 +13,8 @@ from pathlib import Path
 from jaxmoe.config import Config, config_from_dict, validate
 from jaxmoe.errors import UserError
 from jaxmoe.port.formats.base import Endpoint, Format
-from jaxmoe.port.formats.hf import WRITES_IN_FLIGHT, HfTensorSink, HfTensorSource, PartWriter
-from jaxmoe.port.safetensors_io import SafetensorsReader
+from jaxmoe.port.formats.hf import HfTensorSink, HfTensorSource
+from jaxmoe.port.safetensors_io import WRITES_IN_FLIGHT, PartWriter, SafetensorsReader
 
 TORCH_CONFIG_KEY = "jaxmoe_config"
 
