@@ -16,7 +16,7 @@ import pytest
 
 from jaxmoe.port.convert import raw_copies
 from jaxmoe.port.formats.base import RawTensor
-from jaxmoe.port.torch_save import TensorZip, crc32_of, pwrite_all, tensor_pickle
+from jaxmoe.port.torch_save import TensorZip, crc32_combine, crc32_of, pwrite_all, tensor_pickle
 
 DATA = Path(__file__).parent / "data"
 
@@ -82,6 +82,53 @@ def test_pwrite_all_and_crc32_of(tmp_path):
         assert crc32_of(fd, 100, data.size, block=1 << 20) == zlib.crc32(data)
     finally:
         os.close(fd)
+
+
+def test_crc32_combine_matches_zlib():
+    rng = np.random.default_rng(5)
+    for n1, n2 in [(0, 0), (0, 9), (9, 0), (1, 1), (1000, 3), (5, 70_000), (123_457, 65_536)]:
+        a, b = rng.bytes(n1), rng.bytes(n2)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b), (n1, n2)
+
+
+def test_hf_to_dcp_crcs_come_from_the_copies(tmp_path, monkeypatch):
+    """hf -> dcp copies every expert's bytes in the kernel and checksums each copy while it is
+    cached: no tensor is read back (crc32_of would fail here), and every zip's CRC-32 is right."""
+    from jaxmoe.config import load_config
+    from jaxmoe.port import hf_map
+    from jaxmoe.port.convert import convert
+    from jaxmoe.port.dcp_io import DcpDir, Window
+    from jaxmoe.port.formats import dcp as dcp_format
+    from jaxmoe.port.formats import parse_endpoint
+    from jaxmoe.port.safetensors_io import SafetensorsWriter
+
+    cfg = load_config("tiny")
+    table = hf_map.entries(cfg)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    from jaxmoe.hfconfig import to_hf_config
+
+    (hf / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    w = SafetensorsWriter(hf, [(e.hf_name, e.hf_shape, np.float32) for e in table])
+    rng = np.random.default_rng(6)
+    for e in table:
+        w.write(e.hf_name, rng.standard_normal(e.hf_shape, dtype=np.float32))
+    w.close()
+
+    def no_read_back(*a, **k):
+        raise AssertionError("a tensor's CRC-32 was read back instead of taken from its copies")
+
+    monkeypatch.setattr(dcp_format, "crc32_of", no_read_back)
+    r = convert(parse_endpoint(f"hf:{hf}"), parse_endpoint(f"dcp:{tmp_path}/dcp"), log=lambda m: None)
+    assert r["bytes_copied"] == r["bytes"] > 0, r  # every tensor copied, none written from memory
+    d = DcpDir(tmp_path / "dcp", "dcp")
+    checked = 0
+    for fqn in d.tensors:
+        for ch in d.chunks(fqn):
+            with open(ch.file, "rb") as fh:
+                assert zipfile.ZipFile(Window(fh, ch.offset, ch.length)).testzip() is None, fqn
+            checked += 1
+    assert checked == len(d.tensors) > 0
 
 
 def _rt(name, off, shape, index, transpose=True, dtype=np.float32):

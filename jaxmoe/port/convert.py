@@ -171,13 +171,14 @@ def raw_copies(src: dict, dst: dict, same_names: bool = False) -> list | None:
     return pairs
 
 
-def _copy_raw(pool: ThreadPoolExecutor, pairs) -> int:
-    """Copy the byte ranges of ``pairs`` (in ``pool``); the first failure is raised."""
-    futures = [pool.submit(copy_bytes, a.file, a.offset, b.file, b.offset, a.nbytes)
+def _copy_raw(pool: ThreadPoolExecutor, pairs, checksum: bool = False) -> tuple[int, list | None]:
+    """Copy the byte ranges of ``pairs`` (in ``pool``); the first failure is raised. Returns
+    the bytes copied and, with ``checksum``, ``(sink range, CRC-32 of its bytes)`` per pair."""
+    futures = [pool.submit(copy_bytes, a.file, a.offset, b.file, b.offset, a.nbytes, checksum)
                for a, b in pairs]
-    for f in futures:
-        f.result()
-    return sum(a.nbytes for a, _ in pairs)
+    crcs = [f.result() for f in futures]
+    return (sum(a.nbytes for a, _ in pairs),
+            [(b, c) for (_, b), c in zip(pairs, crcs)] if checksum else None)
 
 
 def _out_dtypes(source, default, dtype) -> dict:
@@ -236,8 +237,8 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
         for key in source.keys():
             pairs = _raw_pairs(source, sink, key)
             if pairs is not None:
-                n = _copy_raw(pool, pairs)
-                sink.raw_written(key)
+                n, crcs = _copy_raw(pool, pairs, sink.wants_crc)
+                sink.raw_written(key, crcs)
                 written += n
                 copied += n
                 continue

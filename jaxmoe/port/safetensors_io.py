@@ -30,6 +30,8 @@ import json
 import os
 import re
 import struct
+import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,15 +401,37 @@ WRITES_IN_FLIGHT = 2
 COPY_BLOCK = page_cache.PIECE
 
 
-def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: int) -> None:
+_local = threading.local()  # per copy thread: one reused buffer for checksums
+
+
+def _crc_of(fd: int, offset: int, nbytes: int, crc: int) -> int:
+    """``zlib.crc32`` continued over ``nbytes`` of ``fd`` at ``offset`` (just written: read from
+    the page cache), through this thread's reused 8 MiB buffer."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(8 * 2**20))
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [buf[:min(len(buf), nbytes - done)]], offset + done)
+        if n <= 0:
+            raise OSError(f"short read at {offset + done}")
+        crc = zlib.crc32(buf[:n], crc)
+        done += n
+    return crc
+
+
+def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: int,
+               checksum: bool = False) -> int | None:
     """Copy ``nbytes`` from ``src`` at ``src_offset`` to the existing (pre-sized) ``dst`` at
     ``dst_offset``, inside the kernel (``copy_file_range``: no copy through this process's
     memory), or through one buffer where the file system cannot; :data:`COPY_BLOCK` at a time,
     each piece flushed and dropped behind the next and its source pages dropped
-    (:mod:`jaxmoe.port.page_cache`)."""
+    (:mod:`jaxmoe.port.page_cache`). With ``checksum``, returns the CRC-32 of the bytes as
+    written, each piece read back before it leaves the page cache (else None)."""
+    crc = 0
     fin = os.open(src, os.O_RDONLY)
     try:
-        fout = os.open(dst, os.O_WRONLY)
+        fout = os.open(dst, os.O_RDWR if checksum else os.O_WRONLY)
         try:
             wb, done, kernel = page_cache.WriteBehind(fout), 0, True
             while done < nbytes:
@@ -427,6 +451,8 @@ def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: i
                     while n < len(view):
                         n += os.pwrite(fout, view[n:], dst_offset + done + n)
                 page_cache.drop(fin, src_offset + done, n)
+                if checksum:
+                    crc = _crc_of(fout, dst_offset + done, n, crc)
                 wb.wrote(dst_offset + done, n)
                 done += n
             wb.close()
@@ -434,6 +460,7 @@ def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: i
             os.close(fout)
     finally:
         os.close(fin)
+    return crc if checksum else None
 
 
 def write_tensors(target, tensors: dict, metadata=None, shard_size=None, single_file=False):

@@ -244,4 +244,35 @@ def crc32_of(fd: int, offset: int, nbytes: int, block: int = 8 * 2**20) -> int:
     return crc
 
 
-__all__ = ["ALIGN", "TensorZip", "crc32_of", "pwrite_all", "storage_name", "tensor_pickle"]
+_CRC_POLY = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected
+
+
+def _gf2_mul(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC-32 polynomial, in the reflected bit order CRC-32 uses (bit 31 is
+    x^0)."""
+    out, m = 0, 1 << 31
+    while a:
+        if a & m:
+            out ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+    return out
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (what zlib's C
+    ``crc32_combine`` computes; Python's ``zlib`` does not expose it): ``crc1`` times
+    ``x^(8 len2)`` modulo the polynomial, plus ``crc2``. Lets byte ranges copied in pieces, in
+    any order, be checksummed while each is still in the page cache."""
+    power, sq = 1 << 31, 1 << 30  # x^0, then x^(2^k) for k = 0, 1, ...: squared each bit
+    n = 8 * int(len2)
+    while n:
+        if n & 1:
+            power = _gf2_mul(sq, power)
+        sq = _gf2_mul(sq, sq)
+        n >>= 1
+    return _gf2_mul(power, crc1) ^ crc2
+
+
+__all__ = ["ALIGN", "TensorZip", "crc32_combine", "crc32_of", "pwrite_all", "storage_name", "tensor_pickle"]

@@ -225,8 +225,13 @@ class Sink:
         there instead of :meth:`write_leaf` (a sink that is asked and not told keeps no trace)."""
         return None
 
-    def raw_written(self, key: str) -> None:
-        """Leaf ``key``'s tensors were copied into place as :meth:`raw_tensors` said."""
+    #: the sink wants the CRC-32 of each byte range copied for it (computed while the bytes are
+    #: still in the page cache), passed to :meth:`raw_written`
+    wants_crc = False
+
+    def raw_written(self, key: str, crcs: list | None = None) -> None:
+        """Leaf ``key``'s tensors were copied into place as :meth:`raw_tensors` said; ``crcs``
+        (when :attr:`wants_crc`): ``(RawTensor range written, its CRC-32)`` per copy."""
         raise NotImplementedError
 
     def write_leaf(self, key: str, arr) -> None:

@@ -54,7 +54,7 @@ from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
 from jaxmoe.port.dcp_meta import metadata_bytes
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, RawTensor, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into, transposed
-from jaxmoe.port.torch_save import TensorZip, crc32_of, pwrite_all
+from jaxmoe.port.torch_save import TensorZip, crc32_combine, crc32_of, pwrite_all
 
 # --------------------------------------------------------------------------------------------
 # The source
@@ -372,11 +372,25 @@ class DcpSink(Sink):
         self._plans[key] = plan
         return out
 
-    def raw_written(self, key: str) -> None:
+    wants_crc = True
+
+    def raw_written(self, key: str, crcs: list | None = None) -> None:
         """The values of leaf ``key``'s tensors are in place: write each zip around them (its
-        headers, then the CRC-32 of the values as read back, and the closing records)."""
+        headers, then the CRC-32 of the values, and the closing records). The CRC-32 is combined
+        from the copied ranges' (``crcs``, taken as each was copied) where they tile the tensor,
+        else read back from the file."""
+        pieces = sorted((r.offset, r.nbytes, c) for r, c in (crcs or []) if r.file == self.path)
+        i = 0
         for ent, z, at in self._plans.pop(key):
-            crc = crc32_of(self.fd, at + z.data_offset, z.nbytes)
+            lo, hi = at + z.data_offset, at + z.data_offset + z.nbytes
+            while i < len(pieces) and pieces[i][0] < lo:
+                i += 1
+            crc, pos = 0, lo
+            while i < len(pieces) and pieces[i][0] == pos and pos + pieces[i][1] <= hi:
+                crc, pos = crc32_combine(crc, pieces[i][2], pieces[i][1]), pos + pieces[i][1]
+                i += 1
+            if pos != hi:  # not tiled by the copies: read back
+                crc = crc32_of(self.fd, lo, z.nbytes)
             self._close_entry(ent.name, z, at, crc, ent.shape, self.dtypes[key])
 
     def finish(self) -> None:

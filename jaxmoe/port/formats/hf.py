@@ -387,7 +387,7 @@ class HfTensorSink(Sink):
             out[ent.hf_name] = RawTensor(p.file, p.offset, p.nbytes, p.dtype, p.shape, ent.index, ent.transpose)
         return out
 
-    def raw_written(self, key: str) -> None:
+    def raw_written(self, key: str, crcs: list | None = None) -> None:
         for ent in self.groups[key]:
             self.writer.planned[ent.hf_name].written = True
 
