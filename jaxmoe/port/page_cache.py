@@ -179,39 +179,66 @@ def drop_tree(root) -> None:
                 os.close(fd)
 
 
-def file_range(arr) -> tuple[str, int, int] | None:
-    """(file, offset, nbytes) of the bytes under ``arr`` when it is (a view of) an ``np.memmap``
-    read from a file, else None."""
+def _mapping(arr):
+    """``(mmap or None, position in it, file, file offset, nbytes)`` of the bytes under ``arr``
+    when it is (a view of) an ``np.memmap`` of a file, else None."""
     import mmap
 
     import numpy as np
 
     if not isinstance(arr, np.ndarray) or arr.size == 0:
         return None
-    base, name = arr, None
-    while isinstance(base, np.ndarray):
-        name = name or getattr(base, "filename", None)
-        if isinstance(base.base, mmap.mmap):
-            break
-        base = base.base
-    else:
+    node, name, base = arr, None, None
+    while node is not None:  # through views, and as_strided's wrapper (not an ndarray)
+        if isinstance(node, np.ndarray):
+            name = name or getattr(node, "filename", None)
+            if isinstance(node.base, mmap.mmap):
+                base = node
+                break
+        node = getattr(node, "base", None)
+    if base is None:
         return None
     if name is None or not isinstance(getattr(base, "offset", None), int):
         return None
     bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds  # numpy 1 / 2
     lo, hi = bounds(arr)
-    at = int(base.offset) + (lo - bounds(base)[0])
-    return str(name), at, hi - lo
+    into = lo - bounds(base)[0]  # from the memmap's first byte
+    # np.memmap maps from its offset rounded down to ALLOCATIONGRANULARITY
+    pos = int(base.offset) % mmap.ALLOCATIONGRANULARITY + into
+    # a copy-on-write map ("c") may hold changes only in this process: never unmapped here
+    mm = base.base if getattr(base, "mode", None) != "c" else None
+    return mm, pos, str(name), int(base.offset) + into, hi - lo
+
+
+def file_range(arr) -> tuple[str, int, int] | None:
+    """(file, offset, nbytes) of the bytes under ``arr`` when it is (a view of) an ``np.memmap``
+    read from a file, else None."""
+    m = _mapping(arr)
+    return None if m is None else m[2:]
 
 
 def drop_view(arr) -> None:
     """Drop the file pages under ``arr`` (a view of an ``np.memmap`` source, once its values are
-    used: copied into a chunk, written elsewhere); anything else: nothing to do."""
+    used: copied into a chunk, written elsewhere); anything else: nothing to do.
+
+    The pages are first unmapped from this process (``MADV_DONTNEED`` on the map: the kernel
+    does not drop a cached page that a process maps, so a hint alone left every page read
+    through a map in the cache), then dropped from the cache (:func:`drop_path`)."""
+    import mmap
+
     if not bounded():
         return
-    where = file_range(arr)
-    if where is not None:
-        drop_path(*where)
+    m = _mapping(arr)
+    if m is None:
+        return
+    mm, pos, name, at, nbytes = m
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        start = pos // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, pos + nbytes - start)
+        except (OSError, ValueError):  # a closed map: nothing of it is mapped any more
+            pass
+    drop_path(name, at, nbytes)
 
 
 class TreeDropper:
