@@ -61,6 +61,16 @@ def _bounded(monkeypatch):
     monkeypatch.delenv("JAXMOE_KEEP_PAGE_CACHE", raising=False)
 
 
+def test_sync_file_range_is_found():
+    """Linux with glibc: writeback per range (a lost symbol would fall back to ``fdatasync`` of
+    the whole file, silently and slower)."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert page_cache.has_sync_file_range()
+
+
 def test_plain_writes_stay_cached(tmp_path):
     """The control for every test here: written bytes stay cached unless dropped."""
     cached_file(tmp_path / "a.bin", 24 * MiB)

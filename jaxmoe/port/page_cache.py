@@ -13,7 +13,7 @@ Writing in 64 MiB pieces, each flushed and dropped behind the writer, recycles t
 pages: 937-1726 MB/s for the same write (docs/MEASUREMENTS.md, "Conversion: the page cache").
 
 How. :class:`WriteBehind` starts each written piece's writeback at once
-(``syncfile_range(WRITE)``) and, one piece later, waits for it and drops it
+(``sync_file_range(WRITE)``) and, one piece later, waits for it and drops it
 (``POSIX_FADV_DONTNEED`` drops clean pages only, hence the wait): the disk writes piece ``i``
 while the caller produces piece ``i + 1``. Reads drop the range they consumed (:func:`drop`).
 TensorStore's own files (Orbax) are dropped by directory (:func:`drop_tree`).
@@ -35,10 +35,10 @@ PIECE = 64 * 2**20  # bytes written / copied between two flushes
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
 
 
-def _load_syncfile_range():
+def _load_sync_file_range():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.syncfile_range
+        fn = libc.sync_file_range
     except (OSError, AttributeError):  # not glibc / not Linux
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -46,7 +46,12 @@ def _load_syncfile_range():
     return fn
 
 
-_syncfile_range = _load_syncfile_range()
+_sync_file_range = _load_sync_file_range()
+
+
+def has_sync_file_range() -> bool:
+    """Whether writeback is started and waited for per range (else ``fdatasync`` of the file)."""
+    return _sync_file_range is not None
 
 
 def bounded() -> bool:
@@ -101,8 +106,8 @@ def drop_path(path, offset: int = 0, nbytes: int = 0) -> None:
 
 def start(fd: int, offset: int, nbytes: int) -> None:
     """Start writing back ``[offset, offset + nbytes)`` of ``fd`` now, without waiting."""
-    if _syncfile_range is not None and bounded():
-        if _syncfile_range(fd, offset, nbytes, _SYNC_WRITE) == 0:
+    if _sync_file_range is not None and bounded():
+        if _sync_file_range(fd, offset, nbytes, _SYNC_WRITE) == 0:
             return
     try:  # DONTNEED on dirty pages queues their writeback (and drops what is already clean)
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
@@ -115,7 +120,7 @@ def settle(fd: int, offset: int = 0, nbytes: int = 0) -> None:
     drop its pages. Data only: the file's size and metadata wait for the final ``fsync``."""
     if not bounded():
         return
-    if _syncfile_range is None or _syncfile_range(
+    if _sync_file_range is None or _sync_file_range(
             fd, offset, nbytes, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) != 0:
         try:
             os.fdatasync(fd)
@@ -256,4 +261,4 @@ class TreeDropper:
 
 
 __all__ = ["FOLIO", "PIECE", "TreeDropper", "WriteBehind", "bounded", "drop", "drop_path", "drop_tree", "drop_view",
-           "file_range", "pwrite_behind", "settle", "start"]
+           "file_range", "has_sync_file_range", "pwrite_behind", "settle", "start"]
