@@ -401,21 +401,24 @@ WRITES_IN_FLIGHT = 2
 COPY_BLOCK = page_cache.PIECE
 
 
-_local = threading.local()  # per copy thread: one reused buffer for checksums
+_local = threading.local()  # per thread: one reused read buffer for crc32_of
 
 
-def _crc_of(fd: int, offset: int, nbytes: int, crc: int) -> int:
-    """``zlib.crc32`` continued over ``nbytes`` of ``fd`` at ``offset`` (just written: read from
-    the page cache), through this thread's reused 8 MiB buffer."""
+def crc32_of(fd: int, offset: int, nbytes: int, crc: int = 0, block: int = 8 * 2**20) -> int:
+    """CRC-32 (continuing ``crc``) of ``nbytes`` of ``fd`` at ``offset``, read through this
+    thread's reused buffer (``preadv``: no allocation per piece, so RSS stays flat); the pages
+    are dropped as they are read (:func:`jaxmoe.port.page_cache.drop`: clean ones go, dirty
+    ones just written start their writeback)."""
     buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(8 * 2**20))
+    if buf is None or len(buf) < block:
+        buf = _local.buf = memoryview(bytearray(block))
     done = 0
     while done < nbytes:
-        n = os.preadv(fd, [buf[:min(len(buf), nbytes - done)]], offset + done)
+        n = os.preadv(fd, [buf[:min(block, nbytes - done)]], offset + done)
         if n <= 0:
             raise OSError(f"short read at {offset + done}")
         crc = zlib.crc32(buf[:n], crc)
+        page_cache.drop(fd, offset + done, n)
         done += n
     return crc
 
@@ -452,7 +455,7 @@ def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: i
                         n += os.pwrite(fout, view[n:], dst_offset + done + n)
                 page_cache.drop(fin, src_offset + done, n)
                 if checksum:
-                    crc = _crc_of(fout, dst_offset + done, n, crc)
+                    crc = crc32_of(fout, dst_offset + done, n, crc)
                 wb.wrote(dst_offset + done, n)
                 done += n
             wb.close()
@@ -476,6 +479,6 @@ def write_tensors(target, tensors: dict, metadata=None, shard_size=None, single_
 __all__ = [
     "COPY_BLOCK", "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "WRITES_IN_FLIGHT", "PartWriter",
     "SafetensorsReader", "SafetensorsWriter",
-    "TensorInfo", "copy_bytes", "dequantize_fp8", "dtype_tag", "parse_size", "read_header",
+    "TensorInfo", "copy_bytes", "crc32_of", "dequantize_fp8", "dtype_tag", "parse_size", "read_header",
     "write_tensors",
 ]

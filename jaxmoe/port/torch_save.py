@@ -37,8 +37,8 @@ import zlib
 
 import numpy as np
 
-from jaxmoe.port import page_cache
 from jaxmoe.port.dcp_io import DTYPES, STORAGES, contiguous_strides
+from jaxmoe.port.safetensors_io import crc32_of  # re-exported: the dcp: sink's read-back
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -225,23 +225,6 @@ def pwrite_all(fd: int, data, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:done + 2**30], offset + done)
-
-
-def crc32_of(fd: int, offset: int, nbytes: int, block: int = 8 * 2**20) -> int:
-    """CRC-32 of ``nbytes`` of ``fd`` at ``offset``, read back through one reused ``block``-byte
-    buffer (``preadv``: no new allocation per piece, so the pages stay warm and RSS flat); the
-    file's pages are dropped as they are read (:mod:`jaxmoe.port.page_cache`)."""
-    buf = bytearray(min(block, max(nbytes, 1)))
-    view = memoryview(buf)
-    crc, done = 0, 0
-    while done < nbytes:
-        n = os.preadv(fd, [view[:min(block, nbytes - done)]], offset + done)
-        if n <= 0:
-            raise OSError(f"short read at {offset + done}")
-        crc = zlib.crc32(view[:n], crc)
-        page_cache.drop(fd, offset + done, n)  # written and read back: nothing needs it cached
-        done += n
-    return crc
 
 
 _CRC_POLY = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected

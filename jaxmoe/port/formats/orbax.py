@@ -286,9 +286,6 @@ class OrbaxSink(Sink):
 
     def _spill(self, key: str, arr: np.ndarray) -> np.ndarray:
         """``arr`` copied into a scratch file, re-opened read-only with no page resident."""
-        # late: jaxmoe.checkpoint imports jax and Orbax, which hf:/torch: conversions never need
-        from jaxmoe.checkpoint import release_pages
-
         if 0 in arr.shape:  # an empty file cannot be mapped (and Orbax refuses 0-size leaves)
             return np.array(arr)
         self.scratch.mkdir(parents=True, exist_ok=True)
@@ -296,9 +293,8 @@ class OrbaxSink(Sink):
         buf = np.memmap(path, dtype=arr.dtype, mode="w+", shape=arr.shape)
         buf[...] = arr
         buf.flush()
-        release_pages(buf)
+        page_cache.drop_view(buf)  # written back by the flush: out of this process and the cache
         del buf
-        page_cache.drop_path(path)  # written back by the flush: read again when saved
         self.spilled.append(key)
         return np.memmap(path, dtype=arr.dtype, mode="r", shape=arr.shape)
 
