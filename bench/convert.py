@@ -12,7 +12,8 @@
 2. Builds a Qwen3-MoE-layout config whose fp32 weights total about ``--gb`` GB (the layer count
    is scaled to hit the size) and writes a random HF checkpoint for it (sharded at 1GB).
 3. Runs each conversion route in a fresh subprocess (``jaxmoe convert``); the route's time counts
-   from after the imports every conversion needs (jaxmoe, jax, Orbax; no route here imports
+   from after the imports every conversion needs (jaxmoe, jax, Orbax, and jaxmoe's model module, whose
+   declarations give every leaf's shape: ~0.5 s once per process, not per byte; no route here imports
    torch: ``dcp:`` is read and written without it) until its output is on disk: the child's conversion, then an
    ``fsync`` of every file it wrote (a conversion that already synced makes that free; one that
    did not pays its writeback there, so every route is timed to durable bytes). Before each
@@ -55,7 +56,7 @@ import numpy as np
 CHILD = r"""
 import json, sys, time
 argv = json.loads(sys.argv[1])
-import jaxmoe.checkpoint, jaxmoe.cli, jaxmoe.port.convert  # noqa: E401,F401 (what every route imports)
+import jaxmoe.checkpoint, jaxmoe.cli, jaxmoe.model.transformer, jaxmoe.port.convert  # noqa: E401,F401 (every route)
 t0 = time.perf_counter()
 rc = 0
 if argv:
@@ -260,7 +261,7 @@ def main() -> None:
               f"largest per-layer tensor: {layer_key}[i] {list(shapes[layer_key][1:])} = "
               f"{per_layer / 1e6:.0f} MB")
         base = run_child([])
-        print(f"baseline child RSS (python + jaxmoe, jax, Orbax imports): "
+        print(f"baseline child RSS (python + jaxmoe, jax, Orbax, model imports): "
               f"{base['peak_rss'] / 1e6:.0f} MB (--verify also imports "
               "transformers and torch)")
         import importlib.util

@@ -131,6 +131,39 @@ def test_hf_to_dcp_crcs_come_from_the_copies(tmp_path, monkeypatch):
     assert checked == len(d.tensors) > 0
 
 
+def test_dcp_leaf_view_reads_expert_blocks_ahead(tmp_path, monkeypatch):
+    """A dcp: source's expert rows come from blocks read around the page cache, the next block
+    read ahead (direct_io.ReadAhead): every slice equals the leaf read whole, in order or not."""
+    from jaxmoe.config import load_config
+    from jaxmoe.port import direct_io, titan_map
+    from jaxmoe.port.formats import dcp as dcp_format
+    from jaxmoe.port.formats import parse_endpoint
+
+    cfg = load_config("tiny")
+    sink = dcp_format.DcpSink(tmp_path / "dcp", cfg)
+    rng = np.random.default_rng(8)
+    for key, shape in titan_map.leaf_shapes(cfg).items():
+        sink.write_leaf(key, rng.standard_normal(shape).astype(np.float32))
+    sink.finish()
+    monkeypatch.setattr(direct_io, "BLOCK", 3 * 4 * int(np.prod(cfg.model.d_model * cfg.moe.expert_ffn_dim)))
+    ep = parse_endpoint(f"dcp:{tmp_path}/dcp").with_options(titan="tiny")
+    src = dcp_format.DcpSource(ep)
+    try:
+        expert = [k for k in src.keys() if "experts" in k]
+        assert expert
+        for key in expert:
+            whole = src.read_leaf(key)
+            view = src.leaf_view(key)
+            layers, experts = whole.shape[:2]
+            order = [(l, e) for l in range(layers) for e in range(experts)]
+            for index in order + order[::-1]:
+                got = view[index]
+                np.testing.assert_array_equal(got, whole[index])
+        assert src._ahead is not None  # the block path was taken
+    finally:
+        src.close()
+
+
 def _rt(name, off, shape, index, transpose=True, dtype=np.float32):
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
     return RawTensor(Path(name), off, n, np.dtype(dtype), tuple(shape), index, transpose)

@@ -7,8 +7,6 @@ cached.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import os
 import sys
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import resident
 
 from jaxmoe.port import page_cache
 from jaxmoe.port.safetensors_io import SafetensorsReader, SafetensorsWriter
@@ -24,25 +23,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 MiB = 2**20
 PAGE = mmap.PAGESIZE
-
-
-def resident(path) -> int:
-    """Bytes of ``path`` in the page cache."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-    try:
-        view = np.frombuffer(mm, np.uint8)
-        vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
-        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
-        assert rc == 0, os.strerror(ctypes.get_errno())
-        del view
-        return sum(v & 1 for v in vec) * PAGE
-    finally:
-        mm.close()
 
 
 def cached_file(path: Path, nbytes: int, seed: int = 0) -> bytes:
@@ -156,7 +136,7 @@ def test_drop_view_drops_exactly_the_view(tmp_path):
     page_cache.drop_view(np.ones(3))  # not a map: nothing to do
 
 
-def testkvstore_root():
+def test_kvstore_root():
     from jaxmoe.checkpoint_stream import kvstore_root
 
     assert kvstore_root({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": "file:///x/y",
@@ -230,3 +210,36 @@ def test_leaf_slices_read_ahead(tmp_path):
     assert view.reads == 6 and view._next is None  # 3 x 2 blocks, nothing after the last
     for idx in [(2, 1), (0, 3), (1, 0), (0, 0), (2, 3)]:
         np.testing.assert_array_equal(view[idx], vals[idx])
+
+
+def test_file_behind_shared_by_two_threads(tmp_path):
+    """Copies into one file from two threads, each range far smaller than a piece: the bytes
+    are right, at most the window (plus the ranges in flight) stays cached, none after close."""
+    import threading
+
+    data = np.random.default_rng(9).integers(0, 256, 48 * MiB, dtype=np.uint8)
+    path = tmp_path / "out.bin"
+    with open(path, "wb") as f:
+        f.truncate(len(data))
+    behind = page_cache.FileBehind(path, window=8 * MiB)
+    seen = []
+
+    def worker(parity):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for at in range(parity * MiB, len(data), 2 * MiB):
+                os.pwrite(fd, data[at:at + MiB], at)
+                behind.wrote(at, MiB)
+                seen.append(resident(path))
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    behind.close()
+    assert max(seen) <= 16 * MiB, [s // MiB for s in seen]
+    assert resident(path) <= 2 * MiB
+    assert path.read_bytes() == data.tobytes()

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmoe.errors import UserError
-from jaxmoe.port import hf_map
+from jaxmoe.port import hf_map, page_cache
 from jaxmoe.port.formats import bind_options, open_source, report_fields
 from jaxmoe.port.formats.base import Endpoint
 from jaxmoe.port.hf_meta import meta_files
@@ -171,14 +171,27 @@ def raw_copies(src: dict, dst: dict, same_names: bool = False) -> list | None:
     return pairs
 
 
-def _copy_raw(pool: ThreadPoolExecutor, pairs, checksum: bool = False) -> tuple[int, list | None]:
+def _copy_raw(pool: ThreadPoolExecutor, pairs, checksum: bool = False,
+              behind: dict | None = None) -> tuple[int, list | None]:
     """Copy the byte ranges of ``pairs`` (in ``pool``); the first failure is raised. Returns
-    the bytes copied and, with ``checksum``, ``(sink range, CRC-32 of its bytes)`` per pair."""
-    futures = [pool.submit(copy_bytes, a.file, a.offset, b.file, b.offset, a.nbytes, checksum)
-               for a, b in pairs]
+    the bytes copied and, with ``checksum``, ``(sink range, CRC-32 of its bytes)`` per pair.
+    ``behind``: per destination file, its :class:`~jaxmoe.port.page_cache.FileBehind` (made
+    here as needed; the caller closes them once every copy is done)."""
+    behind = {} if behind is None else behind
+    for _, b in pairs:
+        if b.file not in behind:
+            behind[b.file] = page_cache.FileBehind(b.file)
+    futures = [pool.submit(copy_bytes, a.file, a.offset, b.file, b.offset, a.nbytes, checksum,
+                           behind[b.file]) for a, b in pairs]
     crcs = [f.result() for f in futures]
     return (sum(a.nbytes for a, _ in pairs),
             [(b, c) for (_, b), c in zip(pairs, crcs)] if checksum else None)
+
+
+def _close_all(behind: dict) -> None:
+    """Settle and close every destination's :class:`~jaxmoe.port.page_cache.FileBehind`."""
+    while behind:
+        behind.popitem()[1].close()
 
 
 def _out_dtypes(source, default, dtype) -> dict:
@@ -231,13 +244,14 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
     target = tmp / "out"
     written, copied = 0, 0
     pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="jaxmoe-copy")
+    behind: dict = {}  # destination file -> its FileBehind, shared by every copy into it
     try:
         sink = dst.format.open_sink(dst, target, cfg, dtypes, log)
         sink.use_source(source)
         for key in source.keys():
             pairs = _raw_pairs(source, sink, key)
             if pairs is not None:
-                n, crcs = _copy_raw(pool, pairs, sink.wants_crc)
+                n, crcs = _copy_raw(pool, pairs, sink.wants_crc, behind)
                 sink.raw_written(key, crcs)
                 written += n
                 copied += n
@@ -252,6 +266,7 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
             written += arr.nbytes
             sink.write_leaf(key, arr)
             del arr
+        _close_all(behind)
         sink.finish()
         source.close()
         carried = sink.carry(meta_files(source.meta_dir, log), log)
@@ -262,6 +277,7 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
         _fsync_one(dst.path.parent)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        _close_all(behind)
         shutil.rmtree(tmp, ignore_errors=True)
     secs = time.perf_counter() - t0
     return {

@@ -151,6 +151,40 @@ class WriteBehind:
             settle(self.fd, *self._pending.pop(0))
 
 
+class FileBehind:
+    """Flush-and-drop behind any number of writers of one file (threads; ranges in any order):
+    like :class:`WriteBehind`, but a range is waited for only once more than ``window`` bytes
+    are in writeback after it, so ranges far smaller than a piece (one expert's 2 MiB copied
+    by :func:`jaxmoe.port.safetensors_io.copy_bytes`) do not each wait for the disk."""
+
+    def __init__(self, path, window: int = 2 * PIECE):
+        import collections
+        import threading
+
+        self.fd = os.open(path, os.O_WRONLY)
+        self.window = int(window)
+        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()
+        self._bytes = 0
+
+    def wrote(self, offset: int, nbytes: int) -> None:
+        start(self.fd, offset, nbytes)
+        with self._lock:
+            self._pending.append((offset, nbytes))
+            self._bytes += nbytes
+            while self._bytes > self.window:
+                at, n = self._pending.popleft()
+                self._bytes -= n
+                settle(self.fd, at, n)
+
+    def close(self) -> None:
+        with self._lock:
+            while self._pending:
+                settle(self.fd, *self._pending.popleft())
+            self._bytes = 0
+        os.close(self.fd)
+
+
 def pwrite_behind(fd: int, data, offset: int, piece: int = PIECE) -> None:
     """``os.pwrite`` every byte of ``data`` (bytes or a buffer) at ``offset``, in ``piece``-byte
     pieces, each flushed and dropped behind the next (:class:`WriteBehind`)."""
@@ -222,6 +256,28 @@ def file_range(arr) -> tuple[str, int, int] | None:
     return None if m is None else m[2:]
 
 
+def read_ahead(arr, ahead: int = 1) -> None:
+    """Queue the read of the file bytes under ``arr`` (a view of an ``np.memmap`` source) and of
+    ``ahead`` ranges of the same size after them, as one request (``POSIX_FADV_WILLNEED``); for
+    anything else, nothing. A slice read through a map otherwise faults its pages in one small
+    synchronous read at a time (a transposed copy visits them out of order), and the next
+    slice's read starts only when its first page is touched. A hint: errors are ignored."""
+    m = _mapping(arr)
+    if m is None:
+        return
+    _, _, name, at, nbytes = m
+    try:
+        fd = os.open(name, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, at, nbytes * (1 + ahead), os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):
+        pass
+    finally:
+        os.close(fd)
+
+
 def drop_view(arr) -> None:
     """Drop the file pages under ``arr`` (a view of an ``np.memmap`` source, once its values are
     used: copied into a chunk, written elsewhere); anything else: nothing to do.
@@ -260,5 +316,6 @@ class TreeDropper:
             drop_tree(self.root)
 
 
-__all__ = ["FOLIO", "PIECE", "TreeDropper", "WriteBehind", "bounded", "drop", "drop_path", "drop_tree", "drop_view",
-           "file_range", "has_sync_file_range", "pwrite_behind", "settle", "start"]
+__all__ = ["FOLIO", "PIECE", "FileBehind", "TreeDropper", "WriteBehind", "bounded", "drop", "drop_path",
+           "drop_tree", "drop_view", "file_range", "has_sync_file_range", "pwrite_behind", "read_ahead", "settle",
+           "start"]

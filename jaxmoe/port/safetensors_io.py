@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxmoe.errors import UserError
 from jaxmoe.port import page_cache
+from jaxmoe.port.direct_io import DirectWriter
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -266,6 +267,8 @@ class SafetensorsWriter:
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="jaxmoe-write")
                       if self._in_flight > 0 else None)
         self._pending: collections.deque = collections.deque()
+        self._direct: dict[Path, DirectWriter] = {}  # per file: its writes, around the page cache
+        self._direct_lock = threading.Lock()
         self.planned: dict[str, _Planned] = {}
         # group tensors into shards (a tensor larger than shard_size gets a shard of its own)
         shards: list[list[tuple]] = [[]]
@@ -329,14 +332,17 @@ class SafetensorsWriter:
         while len(self._pending) > self._in_flight:
             self._pending.popleft().result()
 
-    @staticmethod
-    def _put(p: _Planned, array) -> None:
+    def _put(self, p: _Planned, array) -> None:
         data = np.ascontiguousarray(array, dtype=p.dtype)
-        fd = os.open(p.file, os.O_WRONLY)
-        try:
-            page_cache.pwrite_behind(fd, data.reshape(-1).view(np.uint8), p.offset)
-        finally:
-            os.close(fd)
+        self.direct(p.file).pwrite(data.reshape(-1).view(np.uint8), p.offset)
+
+    def direct(self, file: Path) -> DirectWriter:
+        """The writer of ``file``'s bytes (one per file, kept until :meth:`close`)."""
+        with self._direct_lock:
+            w = self._direct.get(file)
+            if w is None:
+                w = self._direct[file] = DirectWriter(file)
+            return w
 
     def drain(self) -> None:
         """Wait for the writes in flight; the first failure is raised."""
@@ -349,6 +355,15 @@ class SafetensorsWriter:
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
+            writers, self._direct = list(self._direct.values()), {}
+            errors = []
+            for w in writers:
+                try:
+                    w.close()
+                except OSError as e:
+                    errors.append(e)
+            if errors:
+                raise errors[0]
         missing = [n for n, p in self.planned.items() if not p.written]
         if missing:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")
@@ -378,17 +393,9 @@ class PartWriter(SafetensorsWriter):
         inner = int(np.prod(p.shape[dim + 1:], dtype=np.int64)) * p.dtype.itemsize
         # one contiguous byte run per index of the axes before ``dim``
         runs = data.reshape(int(np.prod(p.shape[:dim], dtype=np.int64)), -1).view(np.uint8)
-        fd = os.open(p.file, os.O_WRONLY)
-        try:
-            wb = page_cache.WriteBehind(fd)
-            for i, run in enumerate(runs):
-                at, view, done = p.offset + (i * p.shape[dim] + start) * inner, memoryview(run), 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], at + done)
-                wb.wrote(at, len(view))
-            wb.close()
-        finally:
-            os.close(fd)
+        out = self.direct(p.file)
+        for i, run in enumerate(runs):
+            out.pwrite(run, p.offset + (i * p.shape[dim] + start) * inner)
         got.append((start, stop))
         p.written = sum(b - a for a, b in got) == p.shape[dim]
 
@@ -424,19 +431,22 @@ def crc32_of(fd: int, offset: int, nbytes: int, crc: int = 0, block: int = 8 * 2
 
 
 def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: int,
-               checksum: bool = False) -> int | None:
+               checksum: bool = False, behind: page_cache.FileBehind | None = None) -> int | None:
     """Copy ``nbytes`` from ``src`` at ``src_offset`` to the existing (pre-sized) ``dst`` at
     ``dst_offset``, inside the kernel (``copy_file_range``: no copy through this process's
     memory), or through one buffer where the file system cannot; :data:`COPY_BLOCK` at a time,
     each piece flushed and dropped behind the next and its source pages dropped
     (:mod:`jaxmoe.port.page_cache`). With ``checksum``, returns the CRC-32 of the bytes as
-    written, each piece read back before it leaves the page cache (else None)."""
+    written, each piece read back before it leaves the page cache (else None). ``behind``: the
+    destination's :class:`~jaxmoe.port.page_cache.FileBehind`, shared by the copies into it
+    (the caller closes it), instead of waiting for this copy's last piece here."""
     crc = 0
     fin = os.open(src, os.O_RDONLY)
     try:
         fout = os.open(dst, os.O_RDWR if checksum else os.O_WRONLY)
         try:
-            wb, done, kernel = page_cache.WriteBehind(fout), 0, True
+            wb = behind if behind is not None else page_cache.WriteBehind(fout)
+            done, kernel = 0, True
             while done < nbytes:
                 want = min(nbytes - done, COPY_BLOCK)
                 n = 0
@@ -458,7 +468,8 @@ def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: i
                     crc = crc32_of(fout, dst_offset + done, n, crc)
                 wb.wrote(dst_offset + done, n)
                 done += n
-            wb.close()
+            if behind is None:
+                wb.close()
         finally:
             os.close(fout)
     finally:

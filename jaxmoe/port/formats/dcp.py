@@ -49,9 +49,10 @@ import numpy as np
 from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
-from jaxmoe.port import page_cache, titan_map
+from jaxmoe.port import direct_io, page_cache, titan_map
 from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
 from jaxmoe.port.dcp_meta import metadata_bytes
+from jaxmoe.port.direct_io import DirectWriter
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, RawTensor, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into, transposed
 from jaxmoe.port.torch_save import TensorZip, crc32_combine, crc32_of, pwrite_all
@@ -137,6 +138,7 @@ class DcpSource(Source):
             self.notices.append(f"note: {ep}: skipping the training state ({', '.join(skipped)}): "
                                 "weights only")
         self._cache: tuple[str, np.ndarray] | None = None
+        self._ahead: direct_io.ReadAhead | None = None
 
     def keys(self) -> list[str]:
         return list(self.groups)
@@ -170,6 +172,18 @@ class DcpSource(Source):
             self._cache = None
             self._cache = (name, self.dir.view(name))
         return self._cache[1]
+
+    def reader(self) -> direct_io.ReadAhead:
+        """Reads a layer's expert rows a block at a time, the next block meanwhile (LeafView)."""
+        if self._ahead is None:
+            self._ahead = direct_io.ReadAhead()
+        return self._ahead
+
+    def close(self) -> None:
+        self._cache = None
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def _fill(self, ents, out: np.ndarray) -> np.ndarray:
         for ent in ents:
@@ -213,6 +227,7 @@ class LeafView:
         self.ndim = len(self.shape)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
         self.rows = {e.index: e for e in src.groups[key]}
+        self._maps: dict[str, np.ndarray] = {}  # the last two tensors' maps
 
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
@@ -223,8 +238,31 @@ class LeafView:
         if () in self.rows or index == ():  # a global leaf (one tensor), or the whole leaf asked for
             return self.src.read_leaf(self.key, self.dtype)[index]
         ent = self.rows[(int(index[0]),)]
+        if len(index) > 1 and not ent.qkv and self.src.dir.place(ent.name) is not None:
+            return np.asarray(self._row(ent, int(index[1])), self.dtype)[index[2:]]
         part = titan_map.jax_part(self.src._tensor(ent.name), ent)[index[1:]]
         return np.asarray(part, self.dtype)
+
+    def _map(self, name: str) -> np.ndarray:
+        if name not in self._maps:
+            self._maps = {name: self.src.dir.view(name), **dict(list(self._maps.items())[:1])}
+        return self._maps[name]
+
+    def _row(self, ent, row: int) -> np.ndarray:
+        """Row ``row`` (an expert) of ``ent``'s tensor (one plain chunk), from a block of rows
+        read with O_DIRECT around the page cache (:class:`~jaxmoe.port.direct_io.ReadAhead`):
+        the disk reads the next block (the next rows, or the next layer's first) meanwhile."""
+        t = self._map(ent.name)
+        per = max(1, direct_io.BLOCK // max(1, t[0].nbytes))
+        start = row // per * per
+        after = ((ent.name, start + per) if start + per < t.shape[0] else
+                 (lambda n: n and (n.name, 0))(self.rows.get((ent.index[0] + 1,))))
+        then = None
+        if after and (after[0] == ent.name or self.src.dir.place(after[0]) is not None):
+            m = self._map(after[0])
+            then = ((after[0], after[1]), m[after[1]:after[1] + per])
+        block = self.src.reader().rows((ent.name, start), t[start:start + per], then)
+        return titan_map.jax_part(block, ent)[row - start]
 
 
 def _torch():
@@ -258,6 +296,7 @@ class DcpSink(Sink):
         target.mkdir(parents=True)
         self.path = target / DATA_FILE
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.out = DirectWriter(self.path)  # tensor values, around the page cache (direct_io)
         self.end = 0  # where the next entry starts
 
     def use_source(self, source) -> None:
@@ -343,7 +382,7 @@ class DcpSink(Sink):
         a = np.array(a, order="C", copy=not a.flags.c_contiguous)  # ascontiguousarray makes 0-d 1-d
         z, at = TensorZip(a.dtype, a.shape), self.end
         data = a.reshape(-1).view(np.uint8) if a.size else b""
-        page_cache.pwrite_behind(self.fd, data, at + z.data_offset)
+        self.out.pwrite(data, at + z.data_offset)
         self._close_entry(name, z, at, zlib.crc32(data), a.shape, a.dtype)
 
     def _close_entry(self, name: str, z: TensorZip, at: int, crc: int, shape, dtype) -> None:
@@ -400,6 +439,7 @@ class DcpSink(Sink):
                 self._write(f"layers.{layer}.{EXPERT_BIAS}", np.zeros(self.cfg.moe.n_experts, np.float32))
         if self.source is not None:
             self._write_optimizer()
+        self.out.close()
         os.close(self.fd)
         names = {np.dtype(dt): name for name, dt in DTYPES.items()}
         tensors = {n: (names[np.dtype(dt)], shape, at, length) for n, (shape, dt, at, length) in self.written.items()}

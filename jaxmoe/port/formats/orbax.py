@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxmoe.config import Config, load_config
 from jaxmoe.errors import UserError
-from jaxmoe.port import hf_map, page_cache
+from jaxmoe.port import direct_io, hf_map, page_cache
 from jaxmoe.port.formats.base import Endpoint, Format, Sink, Source, shape_text
 from jaxmoe.port.formats.hf import transpose_into
 from jaxmoe.port.hf_meta import HF_META_DIR, keep_in_run_dir
@@ -201,15 +201,17 @@ class ViewFiller:
             if self._whole is None:
                 self.calls += 1
                 self._whole = np.asarray(self.view[()])
-            copy_into(out, self._whole[box])
+                if not self._whole.flags.c_contiguous:  # a transposed map: a chunk's bytes are
+                    self._whole = direct_io.read_copy(self._whole)  # strewn over all of it
+            copy_into(out, direct_io.read_view(self._whole[box]))
             page_cache.drop_view(self._whole[box])  # when it maps the source's file
             return
         lead, rest = box[:self.depth], box[self.depth:]
         for at in np.ndindex(*[b.stop - b.start for b in lead]):
             self.calls += 1
-            part = self.view[tuple(b.start + i for b, i in zip(lead, at))]
-            copy_into(out[at], part[rest])
-            page_cache.drop_view(part[rest])  # a map of the source's file: its pages are used
+            part = self.view[tuple(b.start + i for b, i in zip(lead, at))][rest]
+            copy_into(out[at], direct_io.read_view(part))  # a map: read around the page cache
+            page_cache.drop_view(part)  # what a map read (when it could not read directly)
 
     def release(self) -> None:
         """Drop the view (and what it keeps: its last block) once the leaf is written."""
