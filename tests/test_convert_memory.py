@@ -165,7 +165,7 @@ def test_safetensors_routes_copy_bytes_in_the_kernel_bit_exact(tmp_path):
 
 def test_copy_bytes_falls_back_and_refuses_a_short_source(tmp_path, monkeypatch):
     from jaxmoe.errors import UserError
-    from jaxmoe.port import safetensors_io
+    from jaxmoe.port import file_copy
 
     data = np.arange(300_000, dtype=np.uint8).tobytes()
     (tmp_path / "src").write_bytes(data)
@@ -173,17 +173,17 @@ def test_copy_bytes_falls_back_and_refuses_a_short_source(tmp_path, monkeypatch)
     def no_copy(*a):
         raise OSError(18, "Invalid cross-device link")
 
-    monkeypatch.setattr(safetensors_io, "COPY_BLOCK", 4096)  # several pieces
+    monkeypatch.setattr(file_copy, "COPY_BLOCK", 4096)  # several pieces
     for patched in (False, True):
         (tmp_path / "dst").write_bytes(b"\0" * 400_000)
         if patched:
-            monkeypatch.setattr(safetensors_io.os, "copy_file_range", no_copy)
-        safetensors_io.copy_bytes(tmp_path / "src", 1000, tmp_path / "dst", 50_000, 250_000)
+            monkeypatch.setattr(file_copy.os, "copy_file_range", no_copy)
+        file_copy.copy_bytes(tmp_path / "src", 1000, tmp_path / "dst", 50_000, 250_000)
         got = (tmp_path / "dst").read_bytes()
         assert got[50_000:300_000] == data[1000:251_000]
         assert got[:50_000] == b"\0" * 50_000 and got[300_000:] == b"\0" * 100_000
         with pytest.raises(UserError, match="truncated"):
-            safetensors_io.copy_bytes(tmp_path / "src", 200_000, tmp_path / "dst", 0, 150_000)
+            file_copy.copy_bytes(tmp_path / "src", 200_000, tmp_path / "dst", 0, 150_000)
 
 
 def test_a_failing_copy_thread_leaves_nothing_written(tmp_path, monkeypatch):

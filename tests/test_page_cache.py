@@ -88,14 +88,14 @@ def test_keep_page_cache_opts_out(tmp_path, monkeypatch):
 
 
 def test_copy_bytes_drops_source_and_destination(tmp_path, monkeypatch):
-    from jaxmoe.port import safetensors_io
+    from jaxmoe.port import file_copy
 
-    monkeypatch.setattr(safetensors_io, "COPY_BLOCK", 4 * MiB)
+    monkeypatch.setattr(file_copy, "COPY_BLOCK", 4 * MiB)
     data = cached_file(tmp_path / "src.bin", 40 * MiB)
     dst = tmp_path / "dst.bin"
     with open(dst, "wb") as f:
         f.truncate(40 * MiB + 4096)
-    safetensors_io.copy_bytes(tmp_path / "src.bin", 0, dst, 4096, 40 * MiB)
+    file_copy.copy_bytes(tmp_path / "src.bin", 0, dst, 4096, 40 * MiB)
     assert resident(tmp_path / "src.bin") <= 2 * MiB
     assert resident(dst) <= 2 * MiB
     with open(dst, "rb") as f:

@@ -19,7 +19,7 @@ How a conversion runs (:func:`convert`):
    both: under the same names, ``hf:`` <-> ``torch:``, ``hf:`` -> ``hf:`` resharded, same dtype
    and expert layout; or by place in the leaf, ``hf:`` <-> ``dcp:``, see :func:`raw_copies`),
    the bytes are copied file to file inside the kernel
-   (:func:`~jaxmoe.port.safetensors_io.copy_bytes`, two copies in flight) and never enter this
+   (:func:`~jaxmoe.port.file_copy.copy_bytes`, two copies in flight) and never enter this
    process: a conversion between safetensors files then runs at about the disk's speed.
 3. Carry the non-weight files (tokenizer*, generation_config.json, token ids; see
    :mod:`jaxmoe.port.hf_meta`) from where the source keeps them to where the sink does.
@@ -47,10 +47,11 @@ import numpy as np
 
 from jaxmoe.errors import UserError
 from jaxmoe.port import hf_map, page_cache
+from jaxmoe.port.file_copy import copy_bytes
 from jaxmoe.port.formats import bind_options, open_source, report_fields
 from jaxmoe.port.formats.base import Endpoint
 from jaxmoe.port.hf_meta import meta_files
-from jaxmoe.port.safetensors_io import FLOAT_DTYPES, copy_bytes
+from jaxmoe.port.safetensors_io import FLOAT_DTYPES
 
 #: raw tensor copies in flight at once (kernel copies: no bytes in this process's memory)
 COPY_THREADS = 2

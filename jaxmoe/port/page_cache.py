@@ -155,7 +155,7 @@ class FileBehind:
     """Flush-and-drop behind any number of writers of one file (threads; ranges in any order):
     like :class:`WriteBehind`, but a range is waited for only once more than ``window`` bytes
     are in writeback after it, so ranges far smaller than a piece (one expert's 2 MiB copied
-    by :func:`jaxmoe.port.safetensors_io.copy_bytes`) do not each wait for the disk."""
+    by :func:`jaxmoe.port.file_copy.copy_bytes`) do not each wait for the disk."""
 
     def __init__(self, path, window: int = 2 * PIECE):
         import collections

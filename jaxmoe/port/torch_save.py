@@ -38,7 +38,7 @@ import zlib
 import numpy as np
 
 from jaxmoe.port.dcp_io import DTYPES, STORAGES, contiguous_strides
-from jaxmoe.port.safetensors_io import crc32_of  # re-exported: the dcp: sink's read-back
+from jaxmoe.port.file_copy import crc32_of  # re-exported: the dcp: sink's read-back
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
