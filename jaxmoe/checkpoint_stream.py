@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import mmap
-import sys
 
 import jax
 import numpy as np
@@ -164,10 +163,8 @@ class StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
       also kept ~474 MB of encoded data per leaf until the save ended.)
 
     * a :class:`StreamLeaf` (a leaf that is not in memory) fills each chunk from its source
-      as the chunk is written, into one of a few reused buffers, then is released. TensorStore
-      writes from the buffer itself (``can_reference_source_data_indefinitely=True``: it keeps a
-      reference until the write is done); a buffer is filled again only once nothing refers to
-      it (``sys.getrefcount``), else a new one is made.
+      as the chunk is written, into one of a few reused buffers (TensorStore copies it:
+      ``can_reference_source_data_indefinitely=False``), then is released.
 
     With ``np.memmap`` or StreamLeaf leaves the process then holds a few chunks, not the tree
     (plus what TensorStore keeps until the OCDBT write is flushed: ~17 / ~44 MiB for a 64 MiB
@@ -213,20 +210,13 @@ class StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
                         value.fill(box, data)
                     else:  # a view of the leaf (a memmap's pages, dropped as chunks complete)
                         data = value[box]
-                    # TensorStore writes straight from ``data`` (no copy of its own: that copy
-                    # cost fresh memory per chunk, ~2x on this route) and holds a reference to it
-                    # until the write is done
-                    pending.append((t[box].write(data, can_reference_source_data_indefinitely=True),
+                    pending.append((t[box].write(data, can_reference_source_data_indefinitely=not lazy),
                                     data))
-                    data = None
                     n += 1
                     while pending and (len(pending) >= STREAM_WRITES_IN_FLIGHT or n == chunks):
                         w, done = pending.pop(0)
                         await w
-                        del w
-                        # reused once nothing else refers to it (TensorStore let go of it); the
-                        # count is this name and getrefcount's argument
-                        if lazy and sys.getrefcount(done) <= 2:
+                        if lazy:
                             free.append(done)
                         else:  # the memmap's pages: out of this process and of the page cache
                             release_pages(value)
