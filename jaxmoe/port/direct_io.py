@@ -1,4 +1,4 @@
-"""Writes that bypass the page cache (``O_DIRECT``), overlapped with the caller.
+"""Reads and writes that bypass the page cache (``O_DIRECT``), overlapped with the caller.
 
 Why. A buffered write copies every byte into a page-cache folio. On a VM whose free memory goes
 back to the host, those folios are fresh pages, and the copy into them ran at ~480 MB/s: in a
@@ -7,7 +7,10 @@ back to the host, those folios are fresh pages, and the copy into them ran at ~4
 recycles a few folios by flushing behind the writer, which helps only while the freed folios are
 reused before the host takes them back. An ``O_DIRECT`` write moves the bytes from this
 process's own buffer to the disk, and that buffer is the same few warm pages for the whole
-conversion (docs/MEASUREMENTS.md, "Conversion: direct writes").
+conversion (docs/MEASUREMENTS.md, "Conversion: direct I/O").
+
+Reads likewise: :func:`read_view` / :func:`read_copy` read what a map view covers in one
+``O_DIRECT`` request, and :class:`ReadAhead` reads blocks of rows with the next block read ahead.
 
 How. :class:`DirectWriter` writes ranges of one file. Each range's whole aligned blocks
 (:data:`ALIGN`) are copied into one of ``depth`` reused, page-aligned staging buffers of
@@ -220,7 +223,7 @@ class Buffers:
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
-            for i, raw in enumerate(self._raw):
+            for raw in self._raw:
                 # referenced by the list, ``raw`` and getrefcount's argument only: no view alive
                 if sys.getrefcount(raw) <= 3 and raw.nbytes >= nbytes + ALIGN:
                     break
@@ -234,7 +237,7 @@ class Buffers:
 def _read_direct(arr, fresh: bool, buffers: Buffers | None = None):
     """``arr`` (a view of an ``np.memmap``) as the same view of a buffer read with O_DIRECT, or
     None where that cannot be done (not a map, opted out, the file system refuses)."""
-    m = page_cache._mapping(arr)
+    m = page_cache.file_mapping(arr)
     if m is None or not page_cache.bounded() or not getattr(os, "O_DIRECT", 0):
         return None
     _, _, name, at, nbytes = m

@@ -218,7 +218,7 @@ def drop_tree(root) -> None:
                 os.close(fd)
 
 
-def _mapping(arr):
+def file_mapping(arr):
     """``(mmap or None, position in it, file, file offset, nbytes)`` of the bytes under ``arr``
     when it is (a view of) an ``np.memmap`` of a file, else None."""
     import mmap
@@ -252,30 +252,8 @@ def _mapping(arr):
 def file_range(arr) -> tuple[str, int, int] | None:
     """(file, offset, nbytes) of the bytes under ``arr`` when it is (a view of) an ``np.memmap``
     read from a file, else None."""
-    m = _mapping(arr)
+    m = file_mapping(arr)
     return None if m is None else m[2:]
-
-
-def read_ahead(arr, ahead: int = 1) -> None:
-    """Queue the read of the file bytes under ``arr`` (a view of an ``np.memmap`` source) and of
-    ``ahead`` ranges of the same size after them, as one request (``POSIX_FADV_WILLNEED``); for
-    anything else, nothing. A slice read through a map otherwise faults its pages in one small
-    synchronous read at a time (a transposed copy visits them out of order), and the next
-    slice's read starts only when its first page is touched. A hint: errors are ignored."""
-    m = _mapping(arr)
-    if m is None:
-        return
-    _, _, name, at, nbytes = m
-    try:
-        fd = os.open(name, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, at, nbytes * (1 + ahead), os.POSIX_FADV_WILLNEED)
-    except (AttributeError, OSError):
-        pass
-    finally:
-        os.close(fd)
 
 
 def drop_view(arr) -> None:
@@ -289,7 +267,7 @@ def drop_view(arr) -> None:
 
     if not bounded():
         return
-    m = _mapping(arr)
+    m = file_mapping(arr)
     if m is None:
         return
     mm, pos, name, at, nbytes = m
@@ -316,6 +294,6 @@ class TreeDropper:
             drop_tree(self.root)
 
 
-__all__ = ["FOLIO", "PIECE", "FileBehind", "TreeDropper", "WriteBehind", "bounded", "drop", "drop_path",
-           "drop_tree", "drop_view", "file_range", "has_sync_file_range", "pwrite_behind", "read_ahead", "settle",
+__all__ = ["FOLIO", "PIECE", "FileBehind", "file_mapping", "TreeDropper", "WriteBehind", "bounded", "drop", "drop_path",
+           "drop_tree", "drop_view", "file_range", "has_sync_file_range", "pwrite_behind", "settle",
            "start"]

@@ -228,6 +228,7 @@ class LeafView:
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
         self.rows = {e.index: e for e in src.groups[key]}
         self._maps: dict[str, np.ndarray] = {}  # the last two tensors' maps
+        self._places: dict[str, bool] = {}
 
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
@@ -238,10 +239,17 @@ class LeafView:
         if () in self.rows or index == ():  # a global leaf (one tensor), or the whole leaf asked for
             return self.src.read_leaf(self.key, self.dtype)[index]
         ent = self.rows[(int(index[0]),)]
-        if len(index) > 1 and not ent.qkv and self.src.dir.place(ent.name) is not None:
+        if len(index) > 1 and not ent.qkv and self._plain(ent.name):
             return np.asarray(self._row(ent, int(index[1])), self.dtype)[index[2:]]
         part = titan_map.jax_part(self.src._tensor(ent.name), ent)[index[1:]]
         return np.asarray(part, self.dtype)
+
+    def _plain(self, name: str) -> bool:
+        """Whether tensor ``name`` is one chunk of plain bytes (DcpDir.place reads its zip
+        header: asked once per tensor)."""
+        if name not in self._places:
+            self._places[name] = self.src.dir.place(name) is not None
+        return self._places[name]
 
     def _map(self, name: str) -> np.ndarray:
         if name not in self._maps:
@@ -258,7 +266,7 @@ class LeafView:
         after = ((ent.name, start + per) if start + per < t.shape[0] else
                  (lambda n: n and (n.name, 0))(self.rows.get((ent.index[0] + 1,))))
         then = None
-        if after and (after[0] == ent.name or self.src.dir.place(after[0]) is not None):
+        if after and self._plain(after[0]):
             m = self._map(after[0])
             then = ((after[0], after[1]), m[after[1]:after[1] + per])
         block = self.src.reader().rows((ent.name, start), t[start:start + per], then)
