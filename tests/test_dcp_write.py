@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from jaxmoe.port.convert import raw_copies
+from jaxmoe.port.file_copy import crc32_of
 from jaxmoe.port.formats.base import RawTensor
-from jaxmoe.port.torch_save import TensorZip, crc32_combine, crc32_of, pwrite_all, tensor_pickle
+from jaxmoe.port.page_cache import pwrite_all
+from jaxmoe.port.torch_save import TensorZip, crc32_combine, tensor_pickle
 
 DATA = Path(__file__).parent / "data"
 

@@ -58,15 +58,6 @@ def _open_direct(path) -> int | None:
         return None
 
 
-def _pwrite_all(fd: int, view, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short write at {offset + done}")
-        done += n
-
-
 class DirectWriter:
     """Write byte ranges of the existing file ``path`` (any order, not overlapping), the whole
     blocks of each with ``O_DIRECT`` from a few reused staging buffers on a writer thread (see
@@ -103,10 +94,10 @@ class DirectWriter:
         end = offset + len(view)
         lo, hi = -(-offset // ALIGN) * ALIGN, end // ALIGN * ALIGN
         if hi <= lo:  # no whole block inside: all through the page cache
-            _pwrite_all(self.fd, view, offset)
+            page_cache.pwrite_all(self.fd, view, offset)
             return
-        _pwrite_all(self.fd, view[:lo - offset], offset)
-        _pwrite_all(self.fd, view[hi - offset:], hi)
+        page_cache.pwrite_all(self.fd, view[:lo - offset], offset)
+        page_cache.pwrite_all(self.fd, view[hi - offset:], hi)
         src = np.frombuffer(view, np.uint8)
         with self._lock:
             for at in range(lo, hi, self.piece):
@@ -147,7 +138,7 @@ class DirectWriter:
     def _write_piece(self, view, at: int) -> None:
         if self.dfd is not None:
             try:
-                _pwrite_all(self.dfd, view, at)
+                page_cache.pwrite_all(self.dfd, view, at)
                 self.direct_bytes += len(view)
                 return
             except OSError as e:
@@ -155,7 +146,7 @@ class DirectWriter:
                     raise
                 os.close(self.dfd)  # the file system refuses direct writes here: page cache
                 self.dfd = None
-        _pwrite_all(self.fd, view, at)
+        page_cache.pwrite_all(self.fd, view, at)
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -203,11 +194,16 @@ def _read_buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
-def _aligned(nbytes: int) -> np.ndarray:
-    """A new page-aligned byte array of ``nbytes`` (numpy's own alignment is 64 bytes)."""
-    raw = np.empty(nbytes + ALIGN, np.uint8)
+def _page_aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
+    """The first page-aligned ``nbytes`` of ``raw`` (``nbytes + ALIGN`` long; numpy's own
+    alignment is 64 bytes)."""
     skip = -raw.ctypes.data % ALIGN
     return raw[skip:skip + nbytes]
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """A new page-aligned byte array of ``nbytes``."""
+    return _page_aligned(np.empty(nbytes + ALIGN, np.uint8), nbytes)
 
 
 class Buffers:
@@ -230,13 +226,13 @@ class Buffers:
             else:
                 raw = np.empty(nbytes + ALIGN, np.uint8)
                 self._raw = ([raw] + self._raw)[:self.keep]
-            skip = -raw.ctypes.data % ALIGN
-            return raw[skip:skip + nbytes]
+            return _page_aligned(raw, nbytes)
 
 
-def _read_direct(arr, fresh: bool, buffers: Buffers | None = None):
-    """``arr`` (a view of an ``np.memmap``) as the same view of a buffer read with O_DIRECT, or
-    None where that cannot be done (not a map, opted out, the file system refuses)."""
+def _read_direct(arr, take):
+    """``arr`` (a view of an ``np.memmap``) as the same view of a buffer (``take(nbytes)``, page
+    aligned) read with O_DIRECT, or None where that cannot be done (not a map, opted out, the
+    file system refuses)."""
     m = page_cache.file_mapping(arr)
     if m is None or not page_cache.bounded() or not getattr(os, "O_DIRECT", 0):
         return None
@@ -247,8 +243,7 @@ def _read_direct(arr, fresh: bool, buffers: Buffers | None = None):
     except OSError:
         return None
     try:
-        buf = (buffers.take(hi - lo) if buffers is not None else _aligned(hi - lo)) if fresh \
-            else _read_buffer(hi - lo)
+        buf = take(hi - lo)
         done = 0
         while done < hi - lo:
             try:
@@ -275,14 +270,14 @@ def read_view(arr):
     page-cache pages, no page faults (a transposed copy out of a map faults the pages in one at
     a time, out of order). Valid until this thread's next call: copy out of it at once.
     Anything else, or where direct reads are not possible, comes back as it is."""
-    out = _read_direct(arr, fresh=False)
+    out = _read_direct(arr, _read_buffer)
     return arr if out is None else out
 
 
 def read_copy(arr, buffers: Buffers | None = None):
     """:func:`read_view` into an array of its own (the caller may keep it): a new one, or one of
     ``buffers`` that nothing refers to any more."""
-    out = _read_direct(arr, fresh=True, buffers=buffers)
+    out = _read_direct(arr, buffers.take if buffers is not None else _aligned)
     return arr if out is None else out
 
 

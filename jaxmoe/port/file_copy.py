@@ -71,9 +71,8 @@ def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: i
                     chunk = os.pread(fin, want, src_offset + done)
                     if not chunk:
                         raise UserError(f"{src}: truncated ({nbytes} bytes wanted at {src_offset})")
-                    view = memoryview(chunk)
-                    while n < len(view):
-                        n += os.pwrite(fout, view[n:], dst_offset + done + n)
+                    page_cache.pwrite_all(fout, chunk, dst_offset + done)
+                    n = len(chunk)
                 page_cache.drop(fin, src_offset + done, n)
                 if checksum:
                     crc = crc32_of(fout, dst_offset + done, n, crc)

@@ -25,9 +25,12 @@ behaviour before; for A/B runs in ``bench/convert.py``). Not Linux: nothing happ
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
+import errno
 import os
+import threading
 from pathlib import Path
 
 PIECE = 64 * 2**20  # bytes written / copied between two flushes
@@ -158,9 +161,6 @@ class FileBehind:
     by :func:`jaxmoe.port.file_copy.copy_bytes`) do not each wait for the disk."""
 
     def __init__(self, path, window: int = 2 * PIECE):
-        import collections
-        import threading
-
         self.fd = os.open(path, os.O_WRONLY)
         self.window = int(window)
         self._lock = threading.Lock()
@@ -190,6 +190,17 @@ class FileBehind:
         os.close(self.fd)
 
 
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``data`` (bytes or a buffer) is written at ``offset``."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:done + 2**30], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write at {offset + done}")
+        done += n
+
+
 def pwrite_behind(fd: int, data, offset: int, piece: int = PIECE) -> None:
     """``os.pwrite`` every byte of ``data`` (bytes or a buffer) at ``offset``, in ``piece``-byte
     pieces, each flushed and dropped behind the next (:class:`WriteBehind`)."""
@@ -198,9 +209,7 @@ def pwrite_behind(fd: int, data, offset: int, piece: int = PIECE) -> None:
     done = 0
     while done < len(view):
         end = min(done + piece, len(view))
-        k = done
-        while k < end:
-            k += os.pwrite(fd, view[k:end], offset + k)
+        pwrite_all(fd, view[done:end], offset + done)
         wb.wrote(offset + done, end - done)
         done = end
     wb.close()
@@ -300,5 +309,5 @@ class TreeDropper:
 
 
 __all__ = ["FOLIO", "PIECE", "FileBehind", "file_mapping", "TreeDropper", "WriteBehind", "bounded", "drop", "drop_path",
-           "drop_tree", "drop_view", "file_range", "has_sync_file_range", "pwrite_behind", "settle",
+           "drop_tree", "drop_view", "file_range", "has_sync_file_range", "pwrite_all", "pwrite_behind", "settle",
            "start"]

@@ -38,7 +38,6 @@ import zlib
 import numpy as np
 
 from jaxmoe.port.dcp_io import DTYPES, STORAGES, contiguous_strides
-from jaxmoe.port.file_copy import crc32_of  # re-exported: the dcp: sink's read-back
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -219,14 +218,6 @@ class TensorZip:
         return b"".join(out)
 
 
-def pwrite_all(fd: int, data, offset: int) -> None:
-    """``os.pwrite`` until every byte of ``data`` (bytes or a buffer) is written."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:done + 2**30], offset + done)
-
-
 _CRC_POLY = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected
 
 
@@ -258,4 +249,4 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _gf2_mul(power, crc1) ^ crc2
 
 
-__all__ = ["ALIGN", "TensorZip", "crc32_combine", "crc32_of", "pwrite_all", "storage_name", "tensor_pickle"]
+__all__ = ["ALIGN", "TensorZip", "crc32_combine", "storage_name", "tensor_pickle"]

@@ -203,15 +203,22 @@ class ViewFiller:
                 self._whole = np.asarray(self.view[()])
                 if not self._whole.flags.c_contiguous:  # a transposed map: a chunk's bytes are
                     self._whole = direct_io.read_copy(self._whole)  # strewn over all of it
-            copy_into(out, direct_io.read_view(self._whole[box]))
-            page_cache.drop_view(self._whole[box])  # when it maps the source's file
+            self._copy(out, self._whole[box])
             return
         lead, rest = box[:self.depth], box[self.depth:]
         for at in np.ndindex(*[b.stop - b.start for b in lead]):
             self.calls += 1
-            part = self.view[tuple(b.start + i for b, i in zip(lead, at))][rest]
-            copy_into(out[at], direct_io.read_view(part))  # a map: read around the page cache
-            page_cache.drop_view(part)  # what a map read (when it could not read directly)
+            self._copy(out[at], self.view[tuple(b.start + i for b, i in zip(lead, at))][rest])
+
+    @staticmethod
+    def _copy(out: np.ndarray, part) -> None:
+        """``out[...] = part``; a map of the source's file is read around the page cache
+        (:func:`~jaxmoe.port.direct_io.read_view`), or, where it cannot be, through the map and
+        its pages dropped once used."""
+        got = direct_io.read_view(part)
+        copy_into(out, got)
+        if got is part:
+            page_cache.drop_view(part)
 
     def release(self) -> None:
         """Drop the view (and what it keeps: its last block) once the leaf is written."""
