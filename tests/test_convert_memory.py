@@ -15,12 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from jaxmoe.config import config_from_dict, load_config
 from jaxmoe.hfconfig import to_hf_config
-from jaxmoe.port import hf_map
+from jaxmoe.port import hf_map, page_cache
 from jaxmoe.port.safetensors_io import SafetensorsWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,10 +253,11 @@ def _spy_spills(monkeypatch) -> list:
 
 def test_routes_into_orbax_stream_from_views_bit_exact(tmp_path, monkeypatch):
     """hf -> orbax -> hf, dcp -> orbax and orbax -> orbax: every leaf reads back bit-exactly
-    (load_model and the partial reader), and only leaves a source hands out whole (an hf:
-    global leaf, here the embedding and lm_head; norms of <= 4 KB stay in memory) are copied to
-    scratch files. The Zarr chunks of a leaf over STREAM_CHUNK_BYTES are filled from
-    transposed per-expert views of the source."""
+    (load_model and the partial reader), and none is copied to scratch files: an hf: global
+    leaf already in the written dtype is handed out as a map of its tensor (the embedding, and
+    lm_head transposed). Only a leaf a source hands out whole (here: cast to bfloat16) spills.
+    The Zarr chunks of a leaf over STREAM_CHUNK_BYTES are filled from transposed per-expert
+    views of the source."""
     from jaxmoe import checkpoint
     from jaxmoe.config import config_to_toml
     from jaxmoe.port.convert import convert
@@ -270,7 +272,16 @@ def test_routes_into_orbax_stream_from_views_bit_exact(tmp_path, monkeypatch):
     spilled = _spy_spills(monkeypatch)
     quiet = {"log": lambda m: None}
     convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"orbax:{tmp_path}/run"), **quiet)
-    assert sorted(spilled) == ["params/embed", "params/lm_head"], spilled
+    assert spilled == [], spilled
+    convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"orbax:{tmp_path}/bf16"), dtype="bfloat16", **quiet)
+    assert sorted(spilled) == ["params/embed", "params/lm_head"], spilled  # cast: read whole
+    _, cast, _, _ = checkpoint.load_model(tmp_path / "bf16")
+    for k in ("embed", "lm_head", "moe/experts/gate_proj"):
+        got = np.asarray(hf_map.flatten(dict(cast))[k])
+        assert got.dtype == ml_dtypes.bfloat16, k
+        cast_want = want["params/" + k].astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(got.view(np.uint16), cast_want.view(np.uint16))
+    spilled.clear()
     convert(_ep(f"orbax:{tmp_path}/run"), _ep(f"hf:{tmp_path}/back"), **quiet)
     _same_tensors(tmp_path / "hf", tmp_path / "back")
 
@@ -331,3 +342,46 @@ def test_view_filler_fills_chunks_from_transposed_views():
     np.testing.assert_array_equal(g[0:2, 0:1, 0:4, 0:5], full[:, 0:1])
     np.testing.assert_array_equal(g[0:2, 1:3, 0:4, 0:5], full[:, 1:3])
     assert whole.calls == 1
+
+
+def test_hf_leaf_view_reads_expert_groups_ahead_and_maps_global_leaves(tmp_path, monkeypatch):
+    """An hf: source's per-expert tensors come in groups read around the page cache, the next
+    group (or the next layer's first) read ahead (Source.read_ahead): every expert slice equals
+    the leaf read whole, in order and reversed, and the file stays uncached. A global leaf in the
+    asked dtype is a map of its tensor (nothing read until used), transposed like the leaf."""
+    from support import resident
+
+    from jaxmoe.port import direct_io
+    from jaxmoe.port.formats import open_source
+
+    cfg = _cfg(4, n_layers=3)
+    _write_hf(cfg, tmp_path / "hf")
+    files = sorted((tmp_path / "hf").glob("*.safetensors"))
+    monkeypatch.setattr(direct_io, "BLOCK", 3 * 4 * cfg.model.d_model * cfg.moe.expert_ffn_dim)  # 3 experts
+    monkeypatch.delenv("JAXMOE_KEEP_PAGE_CACHE", raising=False)
+    with open_source(_ep(f"hf:{tmp_path}/hf")) as src:
+        for f in files:
+            page_cache.drop_path(f)
+        expert = [k for k in src.keys() if "/experts/" in k]
+        assert len(expert) == 3
+        for key in expert:
+            view = src.leaf_view(key)
+            assert view._experts is not None  # the group path
+            whole = src.read_leaf(key)
+            layers, experts = whole.shape[:2]
+            order = [(l, e) for l in range(layers) for e in range(experts)]
+            for f in files:
+                page_cache.drop_path(f)
+            for index in order + order[::-1]:
+                np.testing.assert_array_equal(view[index], whole[index])
+            np.testing.assert_array_equal(view[(1, 2, 5)], whole[1, 2, 5])
+            direct = page_cache.bounded() and all(direct_io._open_direct(f) is not None for f in files)
+            if direct:
+                assert sum(resident(f) for f in files) == 0, key
+        assert src._ahead is not None
+        for key in ("params/embed", "params/lm_head"):
+            got = src.leaf_view(key)[()]
+            assert page_cache.file_mapping(got) is not None, key  # a map, not a copy
+            np.testing.assert_array_equal(got, src.read_leaf(key))
+        cast = src.leaf_view("params/embed", np.dtype("float16"))
+        assert isinstance(cast, np.ndarray) and cast.dtype == np.float16  # a cast: read whole

@@ -239,3 +239,25 @@ def test_read_ahead_reads_each_block_once_and_the_next_meanwhile(tmp_path, monke
         np.testing.assert_array_equal(got, a[1:2])
     finally:
         ra.close()
+
+
+def test_read_copies_reads_tensors_apart_into_one_buffer_and_nothing_cached(tmp_path):
+    """Several maps at unaligned offsets of one file (an HF file's experts, gate / up / down
+    interleaved), each read into its own page-aligned slot of one buffer: every copy equals its
+    map, the slots do not overlap, nothing is cached; a view that is not a map comes back as is."""
+    a, path, m = _mapped(tmp_path, (9, 33, 40), offset=100)
+    if not direct_works(path):
+        pytest.skip("this file system refuses O_DIRECT")
+    pool = direct_io.Buffers(keep=2)
+    plain = np.arange(5.0)
+    got = direct_io.read_copies([m[0], m[3], m[6], plain, m[8, 1:5]], pool)
+    for g, want in zip(got, [a[0], a[3], a[6], plain, a[8, 1:5]]):
+        np.testing.assert_array_equal(g, want)
+    assert got[3] is plain and not any(isinstance(g, np.memmap) for g in got)
+    for i, x in enumerate(got[:3]):
+        assert not any(np.shares_memory(x, y) for y in got[i + 1:])
+    assert resident(path) == 0
+    kept = got[1].copy()
+    again = direct_io.read_copies([m[1], m[2]], pool)  # got's buffer is alive: a new one
+    np.testing.assert_array_equal(got[1], kept)
+    np.testing.assert_array_equal(again[0], a[1])

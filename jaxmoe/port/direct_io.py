@@ -281,6 +281,24 @@ def read_copy(arr, buffers: Buffers | None = None):
     return arr if out is None else out
 
 
+def read_copies(arrs, buffers: Buffers | None = None) -> list:
+    """:func:`read_copy` of several map views (tensors far apart in one file: an HF file's
+    experts, gate / up / down interleaved) into one buffer, a page-aligned slot each, one request
+    per view. A view that cannot be read directly comes back as it is."""
+    spans = []
+    for a in arrs:
+        m = page_cache.file_mapping(a)
+        at, nbytes = (m[3], m[4]) if m is not None else (0, 0)
+        spans.append(-(-(at + nbytes) // ALIGN) * ALIGN - at // ALIGN * ALIGN)
+    whole = buffers.take(sum(spans)) if buffers is not None else _aligned(sum(spans))
+    out, lo = [], 0
+    for a, n in zip(arrs, spans):
+        got = _read_direct(a, lambda k, lo=lo: whole[lo:lo + k])
+        out.append(a if got is None else got)
+        lo += n
+    return out
+
+
 BLOCK = 16 * 2**20  # bytes of rows a ReadAhead reads in one request
 
 
@@ -288,8 +306,9 @@ class ReadAhead:
     """Blocks of rows of mapped tensors, each read in one ``O_DIRECT`` request into reused
     buffers (:class:`Buffers`), the next block read on a helper thread while this one is used.
 
-    ``rows(key, view, then)``: the block ``key`` (``view``, a map's rows, read now unless it is
-    the block read ahead), kept until another key is asked for; ``then`` = ``(key, view)`` of
+    ``rows(key, view, then)``: the block ``key`` (``view``, a map's rows, or a list of maps read
+    into one buffer by :func:`read_copies`; read now unless it is the block read ahead), kept
+    until another key is asked for; ``then`` = ``(key, view)`` of
     the block wanted next. Small requests at one-in-flight run far below the disk's speed (2 MiB
     at a time: ~350 MB/s here, against ~1.8 GB/s in 64 MiB requests); a block plus one read
     ahead keeps the disk busy and memory at two blocks."""
@@ -303,6 +322,8 @@ class ReadAhead:
         self._next = None  # (key, future)
 
     def _read(self, view):
+        if isinstance(view, list):  # tensors apart in the file: a slot each
+            return read_copies(view, self._buffers)
         return read_copy(view, self._buffers)
 
     def rows(self, key, view, then=None) -> np.ndarray:
@@ -320,4 +341,5 @@ class ReadAhead:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-__all__ = ["ALIGN", "BLOCK", "PIECE", "Buffers", "DirectWriter", "ReadAhead", "read_copy", "read_view"]
+__all__ = ["ALIGN", "BLOCK", "PIECE", "Buffers", "DirectWriter", "ReadAhead", "read_copies", "read_copy",
+           "read_view"]

@@ -170,8 +170,22 @@ class Source:
         them copied file to file (:func:`jaxmoe.port.convert.raw_copies`)."""
         return None
 
+    _ahead = None  # the source's ReadAhead, made on first use (read_ahead)
+
+    def read_ahead(self):
+        """The :class:`~jaxmoe.port.direct_io.ReadAhead` a lazy leaf view reads its blocks of
+        expert rows with (one per source, shared by its views; closed by :meth:`close`)."""
+        if self._ahead is None:
+            from jaxmoe.port.direct_io import ReadAhead
+
+            self._ahead = ReadAhead()
+        return self._ahead
+
     def close(self) -> None:
-        """Release what the source holds open."""
+        """Release what the source holds open (subclasses call this too)."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def __enter__(self):
         return self

@@ -140,7 +140,6 @@ class DcpSource(Source):
             self.notices.append(f"note: {ep}: skipping the training state ({', '.join(skipped)}): "
                                 "weights only")
         self._cache: tuple[str, np.ndarray] | None = None
-        self._ahead: direct_io.ReadAhead | None = None
 
     def keys(self) -> list[str]:
         return list(self.groups)
@@ -175,17 +174,9 @@ class DcpSource(Source):
             self._cache = (name, self.dir.view(name))
         return self._cache[1]
 
-    def reader(self) -> direct_io.ReadAhead:
-        """Reads a layer's expert rows a block at a time, the next block meanwhile (LeafView)."""
-        if self._ahead is None:
-            self._ahead = direct_io.ReadAhead()
-        return self._ahead
-
     def close(self) -> None:
         self._cache = None
-        if self._ahead is not None:
-            self._ahead.close()
-            self._ahead = None
+        super().close()
 
     def _fill(self, ents, out: np.ndarray) -> np.ndarray:
         for ent in ents:
@@ -271,7 +262,7 @@ class LeafView:
         if after and self._plain(after[0]):
             m = self._map(after[0])
             then = ((after[0], after[1]), m[after[1]:after[1] + per])
-        block = self.src.reader().rows((ent.name, start), t[start:start + per], then)
+        block = self.src.read_ahead().rows((ent.name, start), t[start:start + per], then)
         return titan_map.jax_part(block, ent)[row - start]
 
 

@@ -24,7 +24,7 @@ from jaxmoe.config import Config
 from jaxmoe.config_cli import named_config
 from jaxmoe.errors import UserError
 from jaxmoe.hfconfig import from_hf_config, to_hf_config
-from jaxmoe.port import hf_map
+from jaxmoe.port import direct_io, hf_map
 from jaxmoe.port.formats.base import (
     TITAN_OPTION,
     Endpoint,
@@ -219,25 +219,31 @@ class HfTensorSource(Source):
             else:
                 out[ent.index] = t
 
+    def tensor_map(self, name: str) -> np.ndarray:
+        """A read-only map of HF tensor ``name``'s bytes in its file (nothing read yet)."""
+        info = self.reader.infos[name]
+        return np.memmap(info.file, dtype=info.dtype, mode="r", offset=info.offset,
+                         shape=info.shape)
+
     def _part(self, ent: hf_map.Entry) -> np.ndarray:
         """The range ``ent.hf_part`` of HF tensor ``ent.hf_name`` (a fused ``gate_up_proj``'s
         gate or up half), read through a read-only map of the file: only its pages are read."""
         dim, start, stop = ent.hf_part
-        if self.reader.dtype(ent.hf_name) == FP8:
-            whole = self.tensor(ent.hf_name)
-        else:
-            info = self.reader.infos[ent.hf_name]
-            whole = np.memmap(info.file, dtype=info.dtype, mode="r", offset=info.offset,
-                              shape=info.shape)
+        fp8 = self.reader.dtype(ent.hf_name) == FP8
+        whole = self.tensor(ent.hf_name) if fp8 else self.tensor_map(ent.hf_name)
         return whole[(slice(None),) * dim + (slice(start, stop),)]
 
     def leaf_view(self, key: str, dtype=None):
-        """A :class:`HfLeafView` (unfused, not FP8, one transpose flag), else the whole leaf."""
+        """A :class:`HfLeafView` (unfused, not FP8, one transpose flag; a global leaf only as one
+        HF tensor already in ``dtype``, handed out as a map), else the whole leaf."""
         ents = self.groups[key]
-        if (not ents[0].index or len({e.transpose for e in ents}) != 1
-                or any(e.hf_part is not None or self.reader.dtype(e.hf_name) == FP8 for e in ents)):
+        dtype = np.dtype(dtype or self.leaf_dtype(key))
+        if (len({e.transpose for e in ents}) != 1
+                or any(e.hf_part is not None or self.reader.dtype(e.hf_name) == FP8 for e in ents)
+                or not ents[0].index and (len(ents) > 1 or self.reader.dtype(ents[0].hf_name) != dtype
+                                          or 0 in self.shapes[key])):
             return self.read_leaf(key, dtype)
-        return HfLeafView(self, key, np.dtype(dtype or self.leaf_dtype(key)))
+        return HfLeafView(self, key, dtype)
 
     def read_rows(self, key: str, n: int, dtype=None) -> np.ndarray:
         """The first ``n`` rows of a layer-stack leaf (all of a global leaf): only the HF
@@ -263,7 +269,10 @@ class HfLeafView:
     (layer first) reads that layer's HF tensors into one block, kept for the next index in the
     layer, in the HF orientation (each tensor read straight into its slot) and handed out as a
     transposed *view* where jaxmoe transposes: a sink writing the HF / torchtitan orientation
-    takes it back without moving bytes (:func:`transposed`)."""
+    takes it back without moving bytes (:func:`transposed`).
+
+    A global leaf (one HF tensor) is a map of its bytes, transposed likewise: the sink reads
+    what it needs (``orbax:``: each chunk, ``O_DIRECT``), not a whole copy set aside first."""
 
     def __init__(self, src: HfTensorSource, key: str, dtype: np.dtype):
         self.src, self.key, self.dtype = src, key, dtype
@@ -272,6 +281,29 @@ class HfLeafView:
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
         self.ents, self.transpose = src.groups[key], src.groups[key][0].transpose
         self._layer, self._block = None, None
+        # per-expert HF tensors already in ``dtype``: read a group of experts at a time (_expert)
+        self._experts = ({e.index: e.hf_name for e in self.ents}
+                         if all(len(e.index) == 2 and src.reader.dtype(e.hf_name) == dtype
+                                for e in self.ents) else None)
+        self._group = None  # (layer, first expert) of self._block in that mode
+
+    def _expert(self, layer: int, expert: int) -> np.ndarray:
+        """Expert ``expert`` of ``layer`` (HF orientation), from a group of experts' tensors read
+        together around the page cache, the next group (or the next layer's first) read
+        meanwhile (:meth:`~jaxmoe.port.formats.base.Source.read_ahead`): an HF file interleaves
+        gate / up / down per expert, so a leaf's tensors are apart and each is its own request."""
+        n, one = self.shape[1], self.src.reader.infos[self.ents[0].hf_name].nbytes
+        per = max(1, direct_io.BLOCK // max(1, one))
+        first = expert // per * per
+        if self._group != (layer, first):
+            maps = lambda at: [self.src.tensor_map(self._experts[(at[0], e)])  # noqa: E731
+                               for e in range(at[1], min(at[1] + per, n))]
+            nxt = (layer, first + per) if first + per < n else (layer + 1, 0)
+            then = ((self.key,) + nxt, maps(nxt)) if nxt in self._experts else None
+            self._block = None
+            self._block = self.src.read_ahead().rows((self.key, layer, first), maps((layer, first)), then)
+            self._group = (layer, first)
+        return self._block[expert - first]
 
     def _read_layer(self, layer: int) -> np.ndarray:
         rest = self.shape[1:]
@@ -292,9 +324,15 @@ class HfLeafView:
 
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
+        if not self.ents[0].index:  # a global leaf: its map
+            whole = self.src.tensor_map(self.ents[0].hf_name)
+            return (np.swapaxes(whole, -1, -2) if self.transpose else whole)[index]
         if not index or not all(isinstance(i, (int, np.integer)) for i in index):
             raise TypeError("HfLeafView takes integer indices over the leading axes")
         layer = int(index[0])
+        if self._experts is not None and len(index) > 1:
+            part = self._expert(layer, int(index[1]))
+            return (np.swapaxes(part, -1, -2) if self.transpose else part)[tuple(index[2:])]
         if self._layer != layer:
             self._block = self._read_layer(layer)
             self._layer = layer
