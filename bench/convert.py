@@ -8,7 +8,10 @@
    ``fsync``) and read back with ``O_DIRECT``. Direct I/O bypasses the page cache, so neither number
    is the cache's speed, whatever the file size and free memory (``dd oflag=direct`` /
    ``iflag=direct`` measure the same; Python keeps the bench dependency-free and in one process).
-   "disk" below is the smaller of the two: a conversion reads and writes the same bytes.
+   "disk" below is the smaller of the two: a conversion reads and writes the same bytes. Then
+   the file is copied block by block into a second file, each 64 MiB read then written with
+   ``O_DIRECT`` (``dd iflag=direct oflag=direct``): "copy", the rate at which this disk moves
+   bytes from one file to another when nothing but the disk stands in the way.
 2. Builds a Qwen3-MoE-layout config whose fp32 weights total about ``--gb`` GB (the layer count
    is scaled to hit the size) and writes a random HF checkpoint for it (sharded at 1GB).
 3. Runs each conversion route in a fresh subprocess (``jaxmoe convert``); the route's time counts
@@ -30,7 +33,8 @@
    after a 5 s pause and again at once: on a VM that hands free pages back to the host the first
    is far slower, and every byte that goes through the page cache without being recycled pays
    it.
-4. Prints each route's MB/s (model bytes / seconds) and its ratio to the disk, peak RSS next to
+4. Prints each route's MB/s (model bytes / seconds) and its ratios to the disk and to the copy
+   probe ("x copy" over 1: faster than the plain copy, reads overlapping writes), peak RSS next to
    the largest leaf (a stacked expert weight ``[Lm, E, D, I]``) and the largest per-layer tensor
    (one layer's slice, ``[E, D, I]``), and checks the HF copies are bit-identical to the
    original. Outputs no later route reads are removed as soon as they are checked; the
@@ -72,8 +76,10 @@ print("BENCH " + json.dumps({"rc": rc, "seconds": secs, "peak_rss": rss}))
 BLOCK = 64 * 2**20
 
 
-def disk_bandwidth(where: Path, nbytes: int) -> tuple[float, float]:
-    """(read, write) bytes/s of sequential ``O_DIRECT`` I/O on a ``nbytes`` file in ``where``."""
+def disk_bandwidth(where: Path, nbytes: int) -> tuple[float, float, float]:
+    """(read, write, copy) bytes/s of sequential ``O_DIRECT`` I/O on a ``nbytes`` file in
+    ``where``; copy: the file read block by block and each block written to a second file (what
+    ``dd iflag=direct oflag=direct`` does; a route between files must read and write every byte)."""
     import mmap
 
     buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
@@ -99,10 +105,21 @@ def disk_bandwidth(where: Path, nbytes: int) -> tuple[float, float]:
             if k < BLOCK:
                 break
         read = got / (time.perf_counter() - t0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        out = os.open(where / "disk-probe-copy.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            t0 = time.perf_counter()
+            while os.readv(fd, [buf]) == BLOCK:
+                os.write(out, buf)
+            os.fsync(out)
+            copy = got / (time.perf_counter() - t0)
+        finally:
+            os.close(out)
+            (where / "disk-probe-copy.bin").unlink()
     finally:
         os.close(fd)
         path.unlink()
-    return read, write
+    return read, write, copy
 
 
 def fresh_memory_rate(nbytes: int = 2**30, pause: float = 5.0) -> tuple[float, float]:
@@ -242,10 +259,12 @@ def main() -> None:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="jaxmoe-bench-convert-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        rd, wr = disk_bandwidth(work, int(args.disk_gb * 1e9))
+        rd, wr, cp = disk_bandwidth(work, int(args.disk_gb * 1e9))
         disk = min(rd, wr)
         print(f"disk ({work}, O_DIRECT, {args.disk_gb:g} GB, 64 MiB blocks): read "
-              f"{rd / 1e6:.0f} MB/s, write {wr / 1e6:.0f} MB/s; 'disk' = {disk / 1e6:.0f} MB/s")
+              f"{rd / 1e6:.0f} MB/s, write {wr / 1e6:.0f} MB/s; 'disk' = {disk / 1e6:.0f} MB/s; "
+              f"copy (read a block, write it to another file) {cp / 1e6:.0f} MB/s = "
+              f"{cp / disk:.2f} x disk ('x copy')")
         paused, warm = fresh_memory_rate()
         print(f"fresh memory (1 GiB touched): {paused / 1e6:.0f} MB/s after a 5 s pause, "
               f"{warm / 1e6:.0f} MB/s right after freeing the same amount")
@@ -294,7 +313,7 @@ def main() -> None:
                            "--verify-layers", "1"], "run2"))
         if args.only:
             steps = [s for s in steps if any(s[0].startswith(o) for o in args.only)]
-        print(f"{'route':30s} {'seconds':>8s} {'(fsync)':>8s} {'MB/s':>6s} {'x disk':>7s} "
+        print(f"{'route':30s} {'seconds':>8s} {'(fsync)':>8s} {'MB/s':>6s} {'x disk':>7s} {'x copy':>7s} "
               f"{'peak RSS MB':>12s} {'RSS/leaf':>9s} {'(RSS-base)/per-layer':>21s}")
         modes = {"bounded": [False], "kept": [True], "both": [True, False]}[args.page_cache]
         for i, (name, src, argv, out) in enumerate(steps):
@@ -313,6 +332,7 @@ def main() -> None:
                 mbs = size / 1e6 / secs
                 label = name + (" [kept]" if keep_cache and len(modes) > 1 else "")
                 print(f"{label:30s} {secs:8.2f} {sync:8.2f} {mbs:6.0f} {mbs * 1e6 / disk:7.2f} "
+                      f"{mbs * 1e6 / cp:7.2f} "
                       f"{r['peak_rss'] / 1e6:12.0f} {r['peak_rss'] / big:9.2f} "
                       f"{(r['peak_rss'] - base['peak_rss']) / per_layer:21.2f}", flush=True)
                 if out.startswith("hf") and out != "hf":
