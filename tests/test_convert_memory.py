@@ -374,10 +374,11 @@ def test_hf_leaf_view_reads_expert_groups_ahead_and_maps_global_leaves(tmp_path,
                 page_cache.drop_path(f)
             for index in order + order[::-1]:
                 np.testing.assert_array_equal(view[index], whole[index])
-            np.testing.assert_array_equal(view[(1, 2, 5)], whole[1, 2, 5])
             direct = page_cache.bounded() and all(direct_io._open_direct(f) is not None for f in files)
             if direct:
                 assert sum(resident(f) for f in files) == 0, key
+            for index in [(1, 2, 5), (0, 3), (0,), (0, 3), (1, 1), (1,), (1, 1)]:  # layers and experts mixed
+                np.testing.assert_array_equal(view[index], whole[index])
         assert src._ahead is not None
         for key in ("params/embed", "params/lm_head"):
             got = src.leaf_view(key)[()]

@@ -300,7 +300,7 @@ class HfLeafView:
                                for e in range(at[1], min(at[1] + per, n))]
             nxt = (layer, first + per) if first + per < n else (layer + 1, 0)
             then = ((self.key,) + nxt, maps(nxt)) if nxt in self._experts else None
-            self._block = None
+            self._block, self._layer = None, None
             self._block = self.src.read_ahead().rows((self.key, layer, first), maps((layer, first)), then)
             self._group = (layer, first)
         return self._block[expert - first]
@@ -334,7 +334,7 @@ class HfLeafView:
             part = self._expert(layer, int(index[1]))
             return (np.swapaxes(part, -1, -2) if self.transpose else part)[tuple(index[2:])]
         if self._layer != layer:
-            self._block = self._read_layer(layer)
+            self._block, self._group = self._read_layer(layer), None
             self._layer = layer
         block = np.swapaxes(self._block, -1, -2) if self.transpose else self._block
         return block[tuple(int(i) for i in index[1:])]
