@@ -254,10 +254,9 @@ def _spy_spills(monkeypatch) -> list:
 def test_routes_into_orbax_stream_from_views_bit_exact(tmp_path, monkeypatch):
     """hf -> orbax -> hf, dcp -> orbax and orbax -> orbax: every leaf reads back bit-exactly
     (load_model and the partial reader), and none is copied to scratch files: an hf: global
-    leaf already in the written dtype is handed out as a map of its tensor (the embedding, and
-    lm_head transposed). Only a leaf a source hands out whole (here: cast to bfloat16) spills.
-    The Zarr chunks of a leaf over STREAM_CHUNK_BYTES are filled from transposed per-expert
-    views of the source."""
+    leaf is handed out as a map of its tensor (the embedding, and lm_head transposed), also when
+    the leaf is cast (to bfloat16 here: read and cast as the leaf is written). The Zarr chunks of
+    a leaf over STREAM_CHUNK_BYTES are filled from transposed per-expert views of the source."""
     from jaxmoe import checkpoint
     from jaxmoe.config import config_to_toml
     from jaxmoe.port.convert import convert
@@ -274,7 +273,7 @@ def test_routes_into_orbax_stream_from_views_bit_exact(tmp_path, monkeypatch):
     convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"orbax:{tmp_path}/run"), **quiet)
     assert spilled == [], spilled
     convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"orbax:{tmp_path}/bf16"), dtype="bfloat16", **quiet)
-    assert sorted(spilled) == ["params/embed", "params/lm_head"], spilled  # cast: read whole
+    assert spilled == [], spilled
     _, cast, _, _ = checkpoint.load_model(tmp_path / "bf16")
     for k in ("embed", "lm_head", "moe/experts/gate_proj"):
         got = np.asarray(hf_map.flatten(dict(cast))[k])
@@ -381,8 +380,21 @@ def test_hf_leaf_view_reads_expert_groups_ahead_and_maps_global_leaves(tmp_path,
                 np.testing.assert_array_equal(view[index], whole[index])
         assert src._ahead is not None
         for key in ("params/embed", "params/lm_head"):
+            want = src.read_leaf(key)
             got = src.leaf_view(key)[()]
             assert page_cache.file_mapping(got) is not None, key  # a map, not a copy
-            np.testing.assert_array_equal(got, src.read_leaf(key))
-        cast = src.leaf_view("params/embed", np.dtype("float16"))
-        assert isinstance(cast, np.ndarray) and cast.dtype == np.float16  # a cast: read whole
+            np.testing.assert_array_equal(got, want)
+            del got  # a mapped page stays cached while mapped
+            for f in files:
+                page_cache.drop_path(f)
+            cast = src.leaf_view(key, np.dtype("float16"))[()]  # a cast: read directly, then cast
+            assert cast.dtype == np.float16 and page_cache.file_mapping(cast) is None
+            np.testing.assert_array_equal(cast, want.astype(np.float16))
+            if direct:
+                assert sum(resident(f) for f in files) == 0, key
+        view = src.leaf_view(expert[0], np.dtype("float16"))  # experts cast one at a time
+        whole = src.read_leaf(expert[0], np.dtype("float16"))
+        for index in [(0, 0), (0, 1), (0, 0), (1, 3), (1, 3, 2)]:
+            got = view[index]
+            assert got.dtype == np.float16
+            np.testing.assert_array_equal(got, whole[index])

@@ -55,9 +55,9 @@ from jaxmoe.port.dcp_meta import metadata_bytes
 from jaxmoe.port.direct_io import DirectWriter
 from jaxmoe.port.file_copy import crc32_of
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, RawTensor, Sink, Source, shape_text
-from jaxmoe.port.formats.hf import transpose_into, transposed
 from jaxmoe.port.page_cache import pwrite_all
 from jaxmoe.port.torch_save import TensorZip, crc32_combine
+from jaxmoe.port.transpose import transpose_into, transposed
 
 # --------------------------------------------------------------------------------------------
 # The source

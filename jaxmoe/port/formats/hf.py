@@ -43,41 +43,9 @@ from jaxmoe.port.safetensors_io import (
     dequantize_fp8,
     parse_size,
 )
+from jaxmoe.port.transpose import transpose_into, transposed
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-
-
-def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int | None = None) -> None:
-    """``dst[...] = src`` with its last two dims swapped (2-D: the transpose), in column tiles.
-
-    A tile is ``tile`` columns of ``dst`` (default one 64-byte cache line: 16 fp32 / 32 bf16)
-    and as many rows of ``src``: both stay in cache, where ``dst[...] = src.T`` strides (5.0 vs
-    1.2 GB/s fp32; docs/MEASUREMENTS.md, "Conversion at disk speed"). Stacked arrays go matrix
-    by matrix.
-    """
-    if tile is None:
-        tile = max(8, 64 // dst.dtype.itemsize)
-    if src.ndim > 2:
-        for i in range(src.shape[0]):
-            transpose_into(dst[i], src[i], tile)
-        return
-    if src.ndim != 2:
-        dst[...] = src.T
-        return
-    for j in range(0, src.shape[0], tile):
-        dst[:, j : j + tile] = src[j : j + tile].T
-
-
-def transposed(src: np.ndarray, dtype=None) -> np.ndarray:
-    """``src`` with its last two axes swapped (``src.T`` for 2-D; a fused ``[E, a, b]`` ->
-    ``[E, b, a]``) as a C-contiguous array, optionally cast: a copy made with
-    :func:`transpose_into`, or ``src``'s own memory when ``src`` is a transposed view of it."""
-    back = np.swapaxes(src, -1, -2)  # src a transposed view (HfLeafView): no bytes to move
-    if back.flags.c_contiguous and (dtype is None or np.dtype(dtype) == src.dtype):
-        return back
-    out = np.empty(src.shape[:-2] + (src.shape[-1], src.shape[-2]), dtype or src.dtype)
-    transpose_into(out, src)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,13 +203,12 @@ class HfTensorSource(Source):
 
     def leaf_view(self, key: str, dtype=None):
         """A :class:`HfLeafView` (unfused, not FP8, one transpose flag; a global leaf only as one
-        HF tensor already in ``dtype``, handed out as a map), else the whole leaf."""
+        non-empty HF tensor), else the whole leaf."""
         ents = self.groups[key]
         dtype = np.dtype(dtype or self.leaf_dtype(key))
         if (len({e.transpose for e in ents}) != 1
                 or any(e.hf_part is not None or self.reader.dtype(e.hf_name) == FP8 for e in ents)
-                or not ents[0].index and (len(ents) > 1 or self.reader.dtype(ents[0].hf_name) != dtype
-                                          or 0 in self.shapes[key])):
+                or not ents[0].index and (len(ents) > 1 or 0 in self.shapes[key])):
             return self.read_leaf(key, dtype)
         return HfLeafView(self, key, dtype)
 
@@ -281,11 +248,12 @@ class HfLeafView:
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
         self.ents, self.transpose = src.groups[key], src.groups[key][0].transpose
         self._layer, self._block = None, None
-        # per-expert HF tensors already in ``dtype``: read a group of experts at a time (_expert)
+        # per-expert HF tensors: read a group of experts at a time (_expert)
         self._experts = ({e.index: e.hf_name for e in self.ents}
-                         if all(len(e.index) == 2 and src.reader.dtype(e.hf_name) == dtype
-                                for e in self.ents) else None)
+                         if all(len(e.index) == 2 for e in self.ents) else None)
         self._group = None  # (layer, first expert) of self._block in that mode
+        self._cast = (None, None)  # (layer, expert), that expert cast to ``dtype`` (kept: a
+        # sink asks for one expert once per chunk of it)
 
     def _expert(self, layer: int, expert: int) -> np.ndarray:
         """Expert ``expert`` of ``layer`` (HF orientation), from a group of experts' tensors read
@@ -324,14 +292,20 @@ class HfLeafView:
 
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
-        if not self.ents[0].index:  # a global leaf: its map
+        if not self.ents[0].index:  # a global leaf: its map (read directly and cast for a cast)
             whole = self.src.tensor_map(self.ents[0].hf_name)
+            whole = whole if whole.dtype == self.dtype else direct_io.read_copy(whole).astype(self.dtype)
             return (np.swapaxes(whole, -1, -2) if self.transpose else whole)[index]
         if not index or not all(isinstance(i, (int, np.integer)) for i in index):
             raise TypeError("HfLeafView takes integer indices over the leading axes")
         layer = int(index[0])
         if self._experts is not None and len(index) > 1:
-            part = self._expert(layer, int(index[1]))
+            at = (layer, int(index[1]))
+            part = self._expert(*at)
+            if part.dtype != self.dtype:
+                if self._cast[0] != at:
+                    self._cast = (at, part.astype(self.dtype))
+                part = self._cast[1]
             return (np.swapaxes(part, -1, -2) if self.transpose else part)[tuple(index[2:])]
         if self._layer != layer:
             self._block, self._group = self._read_layer(layer), None

@@ -18,8 +18,8 @@ from jaxmoe.config import Config, load_config
 from jaxmoe.errors import UserError
 from jaxmoe.port import direct_io, hf_map, page_cache
 from jaxmoe.port.formats.base import Endpoint, Format, Sink, Source, shape_text
-from jaxmoe.port.formats.hf import transpose_into
 from jaxmoe.port.hf_meta import HF_META_DIR, keep_in_run_dir
+from jaxmoe.port.transpose import transpose_into
 from jaxmoe.run_dir import RunDir
 
 
