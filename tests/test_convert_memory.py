@@ -398,3 +398,72 @@ def test_hf_leaf_view_reads_expert_groups_ahead_and_maps_global_leaves(tmp_path,
             got = view[index]
             assert got.dtype == np.float16
             np.testing.assert_array_equal(got, whole[index])
+
+
+def _expert_views_match(src, files, keys) -> None:
+    """Every (layer, expert) slice of each leaf's view equals the leaf read whole, in order and
+    reversed, the files uncached by those reads (where O_DIRECT works), then layer and expert
+    indices mixed on one view."""
+    from support import resident
+
+    from jaxmoe.port import direct_io
+
+    for key in keys:
+        view = src.leaf_view(key)
+        assert view._experts is not None, key  # the group path
+        whole = src.read_leaf(key)
+        order = [(l, e) for l in range(whole.shape[0]) for e in range(whole.shape[1])]
+        for f in files:
+            page_cache.drop_path(f)
+        for index in order + order[::-1]:
+            np.testing.assert_array_equal(view[index], whole[index])
+        if page_cache.bounded() and all(direct_io._open_direct(f) is not None for f in files):
+            assert sum(resident(f) for f in files) == 0, key
+        for index in [(1, 3), (1,), (1, 3), (0, 2, 1)]:
+            np.testing.assert_array_equal(view[index], whole[index])
+
+
+def test_hf_leaf_view_reads_fused_and_fp8_experts_a_group_at_a_time(tmp_path, monkeypatch):
+    """The fused HF expert layout (each expert's slice of a layer's gate_up_proj / down_proj)
+    and DeepSeek-style FP8 expert tensors (dequantised one expert at a time) come through the
+    same expert groups as per-expert tensors: no stacked leaf read whole."""
+    from jaxmoe.port import direct_io
+    from jaxmoe.port.convert import convert
+    from jaxmoe.port.formats import open_source
+    from jaxmoe.port.safetensors_io import SafetensorsReader
+
+    cfg = _cfg(4, n_layers=3)
+    _write_hf(cfg, tmp_path / "hf")
+    monkeypatch.setattr(direct_io, "BLOCK", 3 * 4 * cfg.model.d_model * cfg.moe.expert_ffn_dim)  # 3 experts
+    monkeypatch.delenv("JAXMOE_KEEP_PAGE_CACHE", raising=False)
+    convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"hf:{tmp_path}/fused"), log=lambda m: None, hf_layout="fused")
+    with open_source(_ep(f"hf:{tmp_path}/fused")) as src:
+        assert set(src.layouts.values()) == {"fused"}
+        keys = [k for k in src.keys() if "/experts/" in k]
+        _expert_views_match(src, sorted((tmp_path / "fused").glob("*.safetensors")), keys)
+
+    r = SafetensorsReader(tmp_path / "hf")
+    fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    tensors = {}
+    for name in r.names():
+        t = r.get(name)
+        if "experts" in name and "gate_proj" in name:  # [I, H] = [1024, 256]: 8 x 2 blocks
+            scale = np.random.default_rng(len(tensors)).uniform(0.5, 2.0, (8, 2)).astype(np.float32) / 64
+            full = np.repeat(np.repeat(scale, 128, 0), 128, 1)
+            tensors[name + "_scale_inv"] = scale
+            t = (t / full).astype(fp8)
+        tensors[name] = t
+    plan = [(n, t.shape, t.dtype) for n, t in tensors.items()]
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "fp8" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    w = SafetensorsWriter(tmp_path / "fp8", plan)
+    for n, t in tensors.items():
+        w.write(n, t)
+    w.close()
+    with open_source(_ep(f"hf:{tmp_path}/fp8")) as src:
+        key = "params/moe/experts/gate_proj"
+        assert src.leaf_dtype(key) == np.float32
+        _expert_views_match(src, sorted((tmp_path / "fp8").glob("*.safetensors")), [key])
+        view, name = src.leaf_view(key), "model.layers.1.mlp.experts.2.gate_proj.weight"
+        want = tensors[name].astype(np.float32) * np.repeat(np.repeat(tensors[name + "_scale_inv"], 128, 0), 128, 1)
+        np.testing.assert_array_equal(view[(1, 2)], want.T)  # dequantised by hand, transposed

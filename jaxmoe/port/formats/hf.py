@@ -202,13 +202,14 @@ class HfTensorSource(Source):
         return whole[(slice(None),) * dim + (slice(start, stop),)]
 
     def leaf_view(self, key: str, dtype=None):
-        """A :class:`HfLeafView` (unfused, not FP8, one transpose flag; a global leaf only as one
-        non-empty HF tensor), else the whole leaf."""
+        """A :class:`HfLeafView` (one transpose flag; FP8 only unfused and stacked; a global leaf
+        only as one whole, non-empty, not FP8 HF tensor), else the whole leaf."""
         ents = self.groups[key]
         dtype = np.dtype(dtype or self.leaf_dtype(key))
+        fused = any(e.hf_part is not None for e in ents)
         if (len({e.transpose for e in ents}) != 1
-                or any(e.hf_part is not None or self.reader.dtype(e.hf_name) == FP8 for e in ents)
-                or not ents[0].index and (len(ents) > 1 or 0 in self.shapes[key])):
+                or any(self.reader.dtype(e.hf_name) == FP8 for e in ents) and (fused or not ents[0].index)
+                or not ents[0].index and (len(ents) > 1 or fused or 0 in self.shapes[key])):
             return self.read_leaf(key, dtype)
         return HfLeafView(self, key, dtype)
 
@@ -248,9 +249,15 @@ class HfLeafView:
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
         self.ents, self.transpose = src.groups[key], src.groups[key][0].transpose
         self._layer, self._block = None, None
-        # per-expert HF tensors: read a group of experts at a time (_expert)
-        self._experts = ({e.index: e.hf_name for e in self.ents}
-                         if all(len(e.index) == 2 for e in self.ents) else None)
+        # experts, read a group at a time (_expert): (layer, expert) -> (HF tensor, index in it),
+        # per-expert tensors or each expert's slice of a fused layer tensor (experts first)
+        self._experts = None
+        if all(len(e.index) == 2 for e in self.ents):
+            self._experts = {e.index: (e.hf_name, ()) for e in self.ents}
+        elif "/experts/" in key and all(len(e.index) == 1 and e.hf_shape[0] == self.shape[1]
+                                        and (e.hf_part or (1,))[0] >= 1 for e in self.ents):
+            self._experts = {(e.index[0], x): (e.hf_name, (x,) + self._part_index(e))
+                             for e in self.ents for x in range(self.shape[1])}
         self._group = None  # (layer, first expert) of self._block in that mode
         self._cast = (None, None)  # (layer, expert), that expert cast to ``dtype`` (kept: a
         # sink asks for one expert once per chunk of it)
@@ -260,11 +267,11 @@ class HfLeafView:
         together around the page cache, the next group (or the next layer's first) read
         meanwhile (:meth:`~jaxmoe.port.formats.base.Source.read_ahead`): an HF file interleaves
         gate / up / down per expert, so a leaf's tensors are apart and each is its own request."""
-        n, one = self.shape[1], self.src.reader.infos[self.ents[0].hf_name].nbytes
-        per = max(1, direct_io.BLOCK // max(1, one))
+        n, one = self.shape[1], int(np.prod(self.shape[2:], dtype=np.int64))
+        per = max(1, direct_io.BLOCK // max(1, one * self.src.reader.dtype(self.ents[0].hf_name).itemsize))
         first = expert // per * per
         if self._group != (layer, first):
-            maps = lambda at: [self.src.tensor_map(self._experts[(at[0], e)])  # noqa: E731
+            maps = lambda at: [(lambda name, i: self.src.tensor_map(name)[i])(*self._experts[(at[0], e)])  # noqa: E731
                                for e in range(at[1], min(at[1] + per, n))]
             nxt = (layer, first + per) if first + per < n else (layer + 1, 0)
             then = ((self.key,) + nxt, maps(nxt)) if nxt in self._experts else None
@@ -272,6 +279,22 @@ class HfLeafView:
             self._block = self.src.read_ahead().rows((self.key, layer, first), maps((layer, first)), then)
             self._group = (layer, first)
         return self._block[expert - first]
+
+    @staticmethod
+    def _part_index(ent: hf_map.Entry) -> tuple:
+        """The index of ``ent``'s part within one expert of its fused tensor (() if whole)."""
+        if ent.hf_part is None:
+            return ()
+        dim, start, stop = ent.hf_part
+        return (slice(None),) * (dim - 1) + (slice(start, stop),)
+
+    def _converted(self, at: tuple[int, int], part: np.ndarray) -> np.ndarray:
+        """Expert ``at`` (read as stored) in ``dtype``: FP8 dequantised, anything else cast."""
+        if part.dtype == FP8:
+            name = self._experts[at][0]
+            scale = direct_io.read_copy(self.src.tensor_map(name + "_scale_inv"))  # uncached too
+            part = dequantize_fp8(part, scale, self.src.fp8_block)
+        return part.astype(self.dtype, copy=False)
 
     def _read_layer(self, layer: int) -> np.ndarray:
         rest = self.shape[1:]
@@ -284,10 +307,12 @@ class HfLeafView:
             if ent.index[0] != layer:
                 continue
             slot = block[ent.index[1:]]
-            if reader.dtype(ent.hf_name) == self.dtype and slot.flags.c_contiguous:
+            if ent.hf_part is not None:  # a half of a fused tensor, through its map
+                slot[...] = self.src.tensor_map(ent.hf_name)[(slice(None),) + self._part_index(ent)]
+            elif reader.dtype(ent.hf_name) == self.dtype and slot.flags.c_contiguous:
                 reader.read_into(ent.hf_name, slot)
-            else:
-                slot[...] = reader.get(ent.hf_name)
+            else:  # cast, or FP8 dequantised
+                slot[...] = self.src.tensor(ent.hf_name)
         return block
 
     def __getitem__(self, index):
@@ -304,7 +329,7 @@ class HfLeafView:
             part = self._expert(*at)
             if part.dtype != self.dtype:
                 if self._cast[0] != at:
-                    self._cast = (at, part.astype(self.dtype))
+                    self._cast = (at, self._converted(at, part))
                 part = self._cast[1]
             return (np.swapaxes(part, -1, -2) if self.transpose else part)[tuple(index[2:])]
         if self._layer != layer:
