@@ -53,6 +53,19 @@ def _write_hf(cfg, out: Path) -> None:
     w.close()
 
 
+def _uncache(files) -> None:
+    """Drop ``files`` from the page cache, written back first: a page the writer dirtied (a
+    tensor's unaligned head or tail goes through the cache) outlives ``posix_fadvise(DONTNEED)``
+    until writeback ends, which under load is after the test looks."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        page_cache.drop_path(f)
+
+
 def _peak(argv) -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv)], capture_output=True,
@@ -359,8 +372,7 @@ def test_hf_leaf_view_reads_expert_groups_ahead_and_maps_global_leaves(tmp_path,
     monkeypatch.setattr(direct_io, "BLOCK", 3 * 4 * cfg.model.d_model * cfg.moe.expert_ffn_dim)  # 3 experts
     monkeypatch.delenv("JAXMOE_KEEP_PAGE_CACHE", raising=False)
     with open_source(_ep(f"hf:{tmp_path}/hf")) as src:
-        for f in files:
-            page_cache.drop_path(f)
+        _uncache(files)
         expert = [k for k in src.keys() if "/experts/" in k]
         assert len(expert) == 3
         for key in expert:
@@ -369,8 +381,7 @@ def test_hf_leaf_view_reads_expert_groups_ahead_and_maps_global_leaves(tmp_path,
             whole = src.read_leaf(key)
             layers, experts = whole.shape[:2]
             order = [(l, e) for l in range(layers) for e in range(experts)]
-            for f in files:
-                page_cache.drop_path(f)
+            _uncache(files)
             for index in order + order[::-1]:
                 np.testing.assert_array_equal(view[index], whole[index])
             direct = page_cache.bounded() and all(direct_io._open_direct(f) is not None for f in files)
@@ -385,8 +396,7 @@ def test_hf_leaf_view_reads_expert_groups_ahead_and_maps_global_leaves(tmp_path,
             assert page_cache.file_mapping(got) is not None, key  # a map, not a copy
             np.testing.assert_array_equal(got, want)
             del got  # a mapped page stays cached while mapped
-            for f in files:
-                page_cache.drop_path(f)
+            _uncache(files)
             cast = src.leaf_view(key, np.dtype("float16"))[()]  # a cast: read directly, then cast
             assert cast.dtype == np.float16 and page_cache.file_mapping(cast) is None
             np.testing.assert_array_equal(cast, want.astype(np.float16))
@@ -413,8 +423,7 @@ def _expert_views_match(src, files, keys) -> None:
         assert view._experts is not None, key  # the group path
         whole = src.read_leaf(key)
         order = [(l, e) for l in range(whole.shape[0]) for e in range(whole.shape[1])]
-        for f in files:
-            page_cache.drop_path(f)
+        _uncache(files)
         for index in order + order[::-1]:
             np.testing.assert_array_equal(view[index], whole[index])
         if page_cache.bounded() and all(direct_io._open_direct(f) is not None for f in files):
