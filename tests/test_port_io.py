@@ -15,6 +15,7 @@ from jaxmoe.port import hf_map
 from jaxmoe.port.safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,
+    SafetensorsWriter,
     dequantize_fp8,
     parse_size,
     write_tensors,
@@ -250,3 +251,44 @@ def test_stream_leaf_saves_the_same_checkpoint_as_an_array(tmp_path, monkeypatch
         assert ta.spec().to_json()["metadata"] == tb.spec().to_json()["metadata"]
         got = np.asarray(tb.read().result())
         assert got.dtype == v.dtype and np.array_equal(got.view(np.uint8), v.view(np.uint8)), k
+
+
+def test_byte_copies_of_consecutive_leaves_run_in_destination_order(tmp_path, monkeypatch):
+    """hf -> torch copies every leaf's bytes in one pass over the destination (one batch, sorted
+    by place: an HF file interleaves gate / up / down per expert, so leaf by leaf was a strided
+    pass per leaf) and the result is the source's bytes; a dcp: sink, which places each leaf at
+    its current end, still gets its copies leaf by leaf."""
+    from jaxmoe.config import config_from_dict, load_config
+    from jaxmoe.hfconfig import to_hf_config
+    from jaxmoe.port import convert as convert_mod
+    from jaxmoe.port.formats import parse_endpoint as _ep
+
+    cfg = config_from_dict({"model": {"n_layers": 3}, "moe": {"n_experts": 4}}, load_config("tiny"))
+    table = hf_map.entries(cfg)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    w = SafetensorsWriter(tmp_path / "hf", [(e.hf_name, e.hf_shape, np.float32) for e in table])
+    rng = np.random.default_rng(0)
+    for e in table:
+        w.write(e.hf_name, rng.standard_normal(e.hf_shape, dtype=np.float32))
+    w.close()
+    batches = []
+    real = convert_mod._copy_raw
+
+    def spy(pool, pairs, *args):
+        batches.append([(str(b.file), b.offset) for _, b in pairs])
+        return real(pool, pairs, *args)
+
+    monkeypatch.setattr(convert_mod, "_copy_raw", spy)
+    convert_mod.convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"torch:{tmp_path}/m.safetensors"), log=lambda m: None)
+    copies = [b for b in batches if b]
+    assert len(copies) == 1 and copies[0] == sorted(copies[0]) and len(copies[0]) > 3 * 3 * 4
+    src, out = SafetensorsReader(tmp_path / "hf"), SafetensorsReader(tmp_path / "m.safetensors")
+    assert sorted(src.names()) == sorted(out.names())
+    for name in src.names():
+        np.testing.assert_array_equal(out.get(name), src.get(name))
+
+    batches.clear()
+    convert_mod.convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"dcp:{tmp_path}/step-1"), log=lambda m: None)
+    copies = [b for b in batches if b]
+    assert len(copies) > 3  # one per byte-copied leaf

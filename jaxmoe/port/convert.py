@@ -189,6 +189,24 @@ def _copy_raw(pool: ThreadPoolExecutor, pairs, checksum: bool = False,
             [(b, c) for (_, b), c in zip(pairs, crcs)] if checksum else None)
 
 
+def _copy_leaves(pool: ThreadPoolExecutor, sink, gathered: list, behind: dict) -> int:
+    """Copy the byte ranges of ``gathered`` (``(leaf, pairs)``, see :func:`_raw_pairs`) in
+    the order of the destination's bytes, then tell the sink each leaf is written
+    (:meth:`~jaxmoe.port.formats.base.Sink.raw_written`, in the leaves' order). Returns the
+    bytes copied. In place order, ``hf -> torch`` reads and writes its files in one pass
+    instead of one strided pass per expert leaf (an HF file interleaves gate / up / down per
+    expert): 3.68 -> 2.85 s median in an interleaved A/B (docs/MEASUREMENTS.md, sixth pass)."""
+    tagged = sorted(((str(b.file), b.offset, i), (a, b)) for i, (_, pairs) in enumerate(gathered)
+                    for a, b in pairs)
+    n, crcs = _copy_raw(pool, [p for _, p in tagged], sink.wants_crc, behind)
+    per_leaf: list[list] = [[] for _ in gathered]
+    for (_, _, i), crc in zip((t for t, _ in tagged), crcs or [None] * len(tagged)):
+        per_leaf[i].append(crc)
+    for (key, _), crc in zip(gathered, per_leaf):
+        sink.raw_written(key, crc if sink.wants_crc else None)
+    return n
+
+
 def _close_all(behind: dict) -> None:
     """Settle and close every destination's :class:`~jaxmoe.port.page_cache.FileBehind`."""
     while behind:
@@ -249,13 +267,16 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
     try:
         sink = dst.format.open_sink(dst, target, cfg, dtypes, log)
         sink.use_source(source)
+        gathered: list = []  # (leaf, its copies) of consecutive byte-copied leaves
         for key in source.keys():
             pairs = _raw_pairs(source, sink, key)
             if pairs is not None:
-                n, crcs = _copy_raw(pool, pairs, sink.wants_crc, behind)
-                sink.raw_written(key, crcs)
-                written += n
-                copied += n
+                gathered.append((key, pairs))
+                if sink.raw_any_order:
+                    continue
+            n = _copy_leaves(pool, sink, gathered, behind)
+            written, copied, gathered = written + n, copied + n, []
+            if pairs is not None:
                 continue
             buf = sink.buffer(key, source.shapes[key], dtypes[key])
             if buf is None and sink.takes_views:
@@ -267,6 +288,8 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
             written += arr.nbytes
             sink.write_leaf(key, arr)
             del arr
+        n = _copy_leaves(pool, sink, gathered, behind)
+        written, copied = written + n, copied + n
         _close_all(behind)
         sink.finish()
         source.close()

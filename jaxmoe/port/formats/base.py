@@ -239,6 +239,12 @@ class Sink:
         there instead of :meth:`write_leaf` (a sink that is asked and not told keeps no trace)."""
         return None
 
+    #: where :meth:`raw_tensors` places a leaf does not depend on what was written before, so
+    #: ``convert`` may gather the copies of consecutive leaves and run them in the order of the
+    #: destination's bytes: one pass over each file, not one strided pass per leaf (an HF file
+    #: interleaves gate / up / down per expert). False: placed at the current end (``dcp:``)
+    raw_any_order = False
+
     #: the sink wants the CRC-32 of each byte range copied for it (computed while the bytes are
     #: still in the page cache), passed to :meth:`raw_written`
     wants_crc = False

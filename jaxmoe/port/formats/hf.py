@@ -413,7 +413,7 @@ class HfTensorSink(Sink):
     def _writer(self, cfg: Config, dtypes: dict, plan: list) -> PartWriter:
         raise NotImplementedError
 
-    raw_names = "hf"
+    raw_names, raw_any_order = "hf", True  # pre-sized files: every tensor's place is planned
 
     def raw_tensors(self, key: str) -> dict[str, RawTensor] | None:  # None for fused parts
         out = {}
