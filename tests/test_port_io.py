@@ -256,11 +256,13 @@ def test_stream_leaf_saves_the_same_checkpoint_as_an_array(tmp_path, monkeypatch
 def test_byte_copies_of_consecutive_leaves_run_in_destination_order(tmp_path, monkeypatch):
     """hf -> torch copies every leaf's bytes in one pass over the destination (one batch, sorted
     by place: an HF file interleaves gate / up / down per expert, so leaf by leaf was a strided
-    pass per leaf) and the result is the source's bytes; a dcp: sink, which places each leaf at
-    its current end, still gets its copies leaf by leaf."""
+    pass per leaf), neighbouring tensors joined into copies of at most COPY_BLOCK, and the
+    result is the source's bytes; a dcp: sink, which places each leaf at its current end, still
+    gets its copies leaf by leaf."""
     from jaxmoe.config import config_from_dict, load_config
     from jaxmoe.hfconfig import to_hf_config
     from jaxmoe.port import convert as convert_mod
+    from jaxmoe.port.file_copy import COPY_BLOCK
     from jaxmoe.port.formats import parse_endpoint as _ep
 
     cfg = config_from_dict({"model": {"n_layers": 3}, "moe": {"n_experts": 4}}, load_config("tiny"))
@@ -276,19 +278,22 @@ def test_byte_copies_of_consecutive_leaves_run_in_destination_order(tmp_path, mo
     real = convert_mod._copy_raw
 
     def spy(pool, pairs, *args):
-        batches.append([(str(b.file), b.offset) for _, b in pairs])
+        batches.append([(str(b.file), b.offset, b.nbytes) for _, b in pairs])
         return real(pool, pairs, *args)
 
     monkeypatch.setattr(convert_mod, "_copy_raw", spy)
     convert_mod.convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"torch:{tmp_path}/m.safetensors"), log=lambda m: None)
     copies = [b for b in batches if b]
-    assert len(copies) == 1 and copies[0] == sorted(copies[0]) and len(copies[0]) > 3 * 3 * 4
+    assert len(copies) == 1 and copies[0] == sorted(copies[0])
     src, out = SafetensorsReader(tmp_path / "hf"), SafetensorsReader(tmp_path / "m.safetensors")
     assert sorted(src.names()) == sorted(out.names())
+    assert sum(n for _, _, n in copies[0]) == sum(out.infos[name].nbytes for name in out.names())
+    assert all(n <= COPY_BLOCK for _, _, n in copies[0]) and len(copies[0]) < len(out.names()) // 2
+    assert all(o + n <= o2 for (_, o, n), (_, o2, _) in zip(copies[0], copies[0][1:]))
     for name in src.names():
         np.testing.assert_array_equal(out.get(name), src.get(name))
 
     batches.clear()
     convert_mod.convert(_ep(f"hf:{tmp_path}/hf"), _ep(f"dcp:{tmp_path}/step-1"), log=lambda m: None)
     copies = [b for b in batches if b]
-    assert len(copies) > 3  # one per byte-copied leaf
+    assert len(copies) > 3  # one batch per byte-copied leaf
