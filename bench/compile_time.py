@@ -31,8 +31,8 @@ t0 = time.perf_counter()
 import jax
 from jaxmoe.config import load_config
 from jaxmoe.model.transformer import Model, abstract_params, declared_groups
-from jaxmoe.optim import build_optimizer
-from jaxmoe.step import init_state, make_train_step
+from jaxmoe.train.optim import build_optimizer
+from jaxmoe.train.step import init_state, make_train_step
 preset, layers, dense = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = load_config(preset, overrides=[f"model.n_layers={layers}", f"model.first_k_dense={dense}"])
 params, buffers = abstract_params(cfg)

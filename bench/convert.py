@@ -28,7 +28,7 @@
    ``hf -> orbax --verify --verify-layers 1`` (not a throughput route: it also runs two models).
    Each route runs after ``--pause`` seconds of rest and, with ``--page-cache both`` (the
    default), twice side by side (the order alternating per route): with jaxmoe's bounded page
-   cache (:mod:`jaxmoe.port.page_cache`) and with ``JAXMOE_KEEP_PAGE_CACHE=1`` (the kernel's
+   cache (:mod:`jaxmoe.storage.page_cache`) and with ``JAXMOE_KEEP_PAGE_CACHE=1`` (the kernel's
    default, rows marked ``[kept]``). Before the routes it times touching 1 GiB of fresh memory
    after a 5 s pause and again at once: on a VM that hands free pages back to the host the first
    is far slower, and every byte that goes through the page cache without being recycled pays
@@ -60,7 +60,8 @@ import numpy as np
 CHILD = r"""
 import json, sys, time
 argv = json.loads(sys.argv[1])
-import jaxmoe.checkpoint, jaxmoe.cli, jaxmoe.model.transformer, jaxmoe.port.convert  # noqa: E401,F401 (every route)
+import jaxmoe.checkpoint.checkpointer, jaxmoe.cli, jaxmoe.model.transformer  # noqa: E401,F401 (every route)
+import jaxmoe.port.commands.convert  # noqa: F401
 t0 = time.perf_counter()
 rc = 0
 if argv:
@@ -129,7 +130,7 @@ def fresh_memory_rate(nbytes: int = 2**30, pause: float = 5.0) -> tuple[float, f
     the kernel hands out after a pause must be provided again by the host: the first figure. The
     second allocates right after freeing the same amount, so the kernel reuses warm pages.
     Every byte a conversion moves through the page cache takes such a page unless the cache is
-    recycled (jaxmoe.port.page_cache)."""
+    recycled (jaxmoe.storage.page_cache)."""
     time.sleep(pause)
     rates = []
     for _ in range(2):
@@ -173,7 +174,7 @@ def fsync_tree(path: Path) -> float:
 
 def bench_config(gb: float, experts: int = 64):
     from jaxmoe.config import config_from_dict, load_config
-    from jaxmoe.counting import count_params
+    from jaxmoe.config.counting import count_params
 
     base = load_config("tiny")
     d = {
@@ -191,9 +192,9 @@ def bench_config(gb: float, experts: int = 64):
 
 def write_synthetic_hf(cfg, out: Path) -> int:
     """Random fp32 HF checkpoint of ``cfg`` (1GB shards), one tensor in memory at a time."""
-    from jaxmoe.hfconfig import to_hf_config
-    from jaxmoe.port import hf_map
-    from jaxmoe.port.safetensors_io import SafetensorsWriter
+    from jaxmoe.config.hf import to_hf_config
+    from jaxmoe.port.io.safetensors_io import SafetensorsWriter
+    from jaxmoe.port.maps import hf_map
 
     table = hf_map.entries(cfg)
     out.mkdir(parents=True)
@@ -221,7 +222,7 @@ def run_child(argv: list[str], keep_cache: bool = False) -> dict:
 
 
 def same_hf(a: Path, b: Path) -> bool:
-    from jaxmoe.port.safetensors_io import SafetensorsReader
+    from jaxmoe.port.io.safetensors_io import SafetensorsReader
 
     ra, rb = SafetensorsReader(a), SafetensorsReader(b)
     if sorted(ra.names()) != sorted(rb.names()):
@@ -245,8 +246,8 @@ def main() -> None:
                     "machine state: on a VM, free pages handed back to the host)")
     args = ap.parse_args()
 
-    from jaxmoe.counting import count_params
-    from jaxmoe.port import hf_map
+    from jaxmoe.config.counting import count_params
+    from jaxmoe.port.maps import hf_map
 
     cfg = bench_config(args.gb, args.experts)
     shapes = hf_map.leaf_shapes(cfg)
@@ -299,7 +300,7 @@ def main() -> None:
                  ("hf -> orbax", "hf", ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run"], "run"),
                  ("orbax -> hf", "run", ["--from", f"orbax:{work}/run", "--to", f"hf:{work}/hf3"],
                   "hf3")]
-        # dcp: routes need no torch (jaxmoe.port.torch_save, jaxmoe.port.dcp_meta)
+        # dcp: routes need no torch (jaxmoe.port.io.torch_save, jaxmoe.port.io.dcp_meta)
         steps += [("hf -> dcp", "hf", ["--from", f"hf:{work}/hf", "--to", f"dcp:{work}/dcp"], "dcp"),
                   ("dcp -> hf", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
                                         f"hf:{work}/hf4"], "hf4"),

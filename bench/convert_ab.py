@@ -26,7 +26,8 @@ from pathlib import Path
 CHILD = r"""
 import json, os, shutil, sys, time
 argv, out, src, pause = json.loads(sys.argv[1])
-import jaxmoe, jaxmoe.checkpoint, jaxmoe.cli, jaxmoe.model.transformer, jaxmoe.port.convert  # noqa: E401,F401
+import jaxmoe, jaxmoe.checkpoint.checkpointer, jaxmoe.cli, jaxmoe.model.transformer  # noqa: E401,F401
+import jaxmoe.port.commands.convert  # noqa: F401
 shutil.rmtree(out, ignore_errors=True)
 if os.path.isfile(out):
     os.unlink(out)

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from experts import SHAPES, best_of, expert_inputs, ideal_batched_ffn
 
-from jaxmoe.host_alloc import keep_freed_memory
+from jaxmoe.config.schema import MoEConfig
 from jaxmoe.model.experts import expert_ffn
-from jaxmoe.schema import MoEConfig
+from jaxmoe.train.host_alloc import keep_freed_memory
 
 
 def _functions(shape: str, t: int, block_size: int) -> dict:

@@ -34,7 +34,7 @@ the mean of those two is that round's reference, and each ratio is the median ov
 that round's ratio, with its range. On a shared machine whose speed drifts by 1.5x
 within minutes this keeps the reference and the path under the same conditions; GFLOP/s figures
 are the best round's. ``--block-size`` defaults to the config default (``MoEConfig.block_size``).
-Freed host memory is kept in the process (``jaxmoe/host_alloc.py``) unless ``--system-malloc``:
+Freed host memory is kept in the process (``jaxmoe/train/host_alloc.py``) unless ``--system-malloc``:
 otherwise glibc's mmap/munmap churn makes every figure depend on which path ran before it.
 Figures are reported, never asserted.
 """
@@ -49,9 +49,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.host_alloc import keep_freed_memory
+from jaxmoe.config.schema import MoEConfig
 from jaxmoe.model.experts import PATHS, expert_ffn
-from jaxmoe.schema import MoEConfig
+from jaxmoe.train.host_alloc import keep_freed_memory
 
 
 def best_of(fn, args, repeats: int) -> float:
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
                     help="skip the two no-routing references (ideal_loop, ideal_batched)")
     ap.add_argument("--system-malloc", action="store_true",
                     help="leave glibc's malloc as it is (default: keep freed memory; "
-                         "see jaxmoe/host_alloc.py)")
+                         "see jaxmoe/train/host_alloc.py)")
     args = ap.parse_args(argv)
     host_alloc = "system" if args.system_malloc or not keep_freed_memory() else "kept"
     paths = args.paths.split(",")

@@ -191,11 +191,11 @@ def run_variant(v: dict, steps: int, peak_flops: float, profile_dir: str = "") -
     import numpy as np
 
     from jaxmoe.config import load_config
-    from jaxmoe.counting import flops_per_token
+    from jaxmoe.config.counting import flops_per_token
     from jaxmoe.errors import ConfigError
     from jaxmoe.model.transformer import Model, declared_groups, init_params
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.step import init_state, make_train_step, state_shardings
+    from jaxmoe.train.optim import build_optimizer
+    from jaxmoe.train.step import init_state, make_train_step, state_shardings
 
     rec = {"name": v["name"], "kind": v["kind"]}
     try:
@@ -329,7 +329,7 @@ def _header(dry: bool, xla_profile: str) -> dict:
     """Backend, device, jax version and the measured bf16 matmul peak (FLOP/s) of this process."""
     import jax
 
-    from jaxmoe.step import measure_matmul_peak
+    from jaxmoe.train.step import measure_matmul_peak
 
     peak = measure_matmul_peak(256 if dry else 8192, "bfloat16", 3 if dry else 10)
     return {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         args.xla_profile = "none"  # GPU flags: XLA:CPU would reject them
     else:  # the driver and every child: flags before any backend exists
-        from jaxmoe.distributed import apply_xla_flags_profile  # no jax import
+        from jaxmoe.parallel.distributed import apply_xla_flags_profile  # no jax import
 
         added = apply_xla_flags_profile(args.xla_profile)
         if not (args.variant or args.measure_peak):

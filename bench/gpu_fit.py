@@ -21,7 +21,7 @@ The attention model of the XLA:CPU compile (``attention_model``, ``--attention-m
 * ``xla``: XLA's own attention (the ``[B, KV, G, S, S]`` scores stacked per layer), the figure
   this module reported before.
 
-Every ``auto`` field is resolved for ``gpu`` (jaxmoe.autoconf) before both the lowering and the
+Every ``auto`` field is resolved for ``gpu`` (jaxmoe.config.autoconf) before both the lowering and the
 compile, so the figure is of the config ``bench/gpu.py`` runs on a GPU (the CPU rules would unroll
 the layer scan); the resolved values are in the record (``resolved``).
 """
@@ -151,11 +151,11 @@ def memory_fit(v: dict, attention: str = "flash") -> dict:
 
     import jax
 
-    from jaxmoe.autoconf import auto_choices, resolve_auto
     from jaxmoe.config import load_config
+    from jaxmoe.config.autoconf import auto_choices, resolve_auto
     from jaxmoe.model.transformer import Model, abstract_params, declared_groups
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.step import init_state, make_train_step
+    from jaxmoe.train.optim import build_optimizer
+    from jaxmoe.train.step import init_state, make_train_step
 
     cfg = load_config(v["preset"], overrides=[f"{k}={x}" for k, x in v["sets"].items()])
     resolved = auto_choices(cfg, "gpu")  # what a GPU run resolves (the CPU rules would differ)

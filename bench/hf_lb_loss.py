@@ -2,7 +2,7 @@
 
 A random-init transformers ``MixtralForCausalLM`` built from the ``mixtral-tiny`` preset (with
 ``--layers`` layers) runs on a 2 x 16 batch with ``output_router_logits=True``, without and with an
-attention mask (right padding); jaxmoe's :func:`jaxmoe.losses.router_losses` is computed from the
+attention mask (right padding); jaxmoe's :func:`jaxmoe.train.losses.router_losses` is computed from the
 same router logits with ``moe.lb_scope = "layer"`` (the per-layer sum) and with the HF import's
 config (``"pooled"``). Prints one line per mask case. Needs torch and transformers (``[ref]``).
 
@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from jaxmoe.config import load_config
-from jaxmoe.hfconfig import from_hf_config, to_hf_config
-from jaxmoe.losses import router_losses
+from jaxmoe.config.hf import from_hf_config, to_hf_config
+from jaxmoe.train.losses import router_losses
 
 
 def main() -> None:

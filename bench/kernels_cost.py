@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.losses import chunked_cross_entropy, cross_entropy
 from jaxmoe.model.attention import attend
+from jaxmoe.train.losses import chunked_cross_entropy, cross_entropy
 
 B, S, H, KV, HD, D, V = 8, 256, 8, 4, 64, 512, 8192
 

@@ -2,7 +2,7 @@
 
     python bench/mesh.py [--preset tiny] [--batch 8] [--seq 16] [--steps 5] [--layouts ...]
 
-For each mesh layout and dispatcher it compiles ``jaxmoe.step.make_train_step`` (AdamW), times
+For each mesh layout and dispatcher it compiles ``jaxmoe.train.step.make_train_step`` (AdamW), times
 ``--steps`` steps after a warm-up step, and reads the optimised HLO of the compiled step:
 every ``all-to-all``, ``all-gather``, ``reduce-scatter``, ``all-reduce`` and
 ``collective-permute`` (sync or ``-start`` async forms), its per-device size, and how often it
@@ -144,7 +144,7 @@ def analytic(cfg, ctx, params) -> dict:
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from jaxmoe.sharding import BATCH_AXES, param_specs
+    from jaxmoe.parallel.sharding import BATCH_AXES, param_specs
     from jaxmoe.trees import key_path_str
 
     sizes = ctx.sizes
@@ -184,10 +184,10 @@ def run_layout(preset, spec, kind, chunks, batch, seq, steps):
     import jax
 
     from jaxmoe.config import load_config
-    from jaxmoe.mesh import build_context, parse_mesh
     from jaxmoe.model.transformer import declared_groups, init_params
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.step import init_state, make_train_step
+    from jaxmoe.parallel.mesh import build_context, parse_mesh
+    from jaxmoe.train.optim import build_optimizer
+    from jaxmoe.train.step import init_state, make_train_step
 
     cfg = load_config(preset, overrides=[f"train.batch_size={batch}", f"train.seq_len={seq}"])
     cfg = cfg.replace(mesh=dataclasses.replace(cfg.mesh, dispatcher=kind, dispatch_chunks=chunks))

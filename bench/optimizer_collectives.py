@@ -16,10 +16,10 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import load_config
-from jaxmoe.hlo_stats import optimizer_update_collectives, total
-from jaxmoe.mesh import make_mesh
 from jaxmoe.model.transformer import abstract_params
-from jaxmoe.sharding import declared_axes_flat, param_specs
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.sharding import declared_axes_flat, param_specs
+from jaxmoe.plan.hlo_stats import optimizer_update_collectives, total
 from jaxmoe.trees import key_path_str
 
 

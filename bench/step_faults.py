@@ -4,7 +4,7 @@
 
 Builds bench/train_step.py's jaxmoe step for the shape, runs three untimed steps, then prints,
 per step, wall time, user and kernel (system) CPU seconds and minor page faults (``getrusage``).
-Without ``--system-malloc`` the setting of ``jaxmoe/host_alloc.py`` is applied first, as
+Without ``--system-malloc`` the setting of ``jaxmoe/train/host_alloc.py`` is applied first, as
 ``jaxmoe train`` does (before jax starts its threads). Figures are reported, never asserted.
 """
 
@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     p.add_argument("--system-malloc", action="store_true", help="leave glibc's defaults alone")
     args = p.parse_args(argv)
     if not args.system_malloc:  # first: no thread may have allocated yet
-        from jaxmoe.host_alloc import keep_freed_memory
+        from jaxmoe.train.host_alloc import keep_freed_memory
 
         print(f"host allocator setting applied: {keep_freed_memory()}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

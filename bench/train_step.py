@@ -9,7 +9,7 @@ head_dim 64, fp32, aux losses off, global-norm clipping 1.0 on every system):
 * ``coarse``: 8 experts top-2, expert FFN 1024 -- HF ``MixtralForCausalLM``;
 * ``fine``: 64 experts top-8, expert FFN 256, QK-norm -- HF ``Qwen3MoeForCausalLM``.
 
-Systems: ``jaxmoe`` (the jitted train step of ``jaxmoe.step``: the ``blocked`` expert path with
+Systems: ``jaxmoe`` (the jitted train step of ``jaxmoe.train.step``: the ``blocked`` expert path with
 64-row blocks, cross-entropy chunked by 1024 tokens (``train.ce_chunk_tokens``), the 4 layers
 unrolled (``train.scan_unroll=0``)), ``hf_eager`` and ``hf_compile`` (the transformers model with
 ``torch.optim.AdamW``, eager and under ``torch.compile``; a compile failure is reported, not
@@ -19,12 +19,12 @@ end with its defaults: a subprocess per round on the shape's config without the 
 ``train_over_step``: its per-round ratio to the ``jaxmoe`` step). Each system lives in its own
 worker process (two runtimes in one process slow each other down; see ``bench_shape``) and runs
 three untimed steps first (compilation, warm-up); every worker process gets jaxmoe's host
-allocator setting (``jaxmoe/host_alloc.py``, as ``jaxmoe train`` applies it;
+allocator setting (``jaxmoe/train/host_alloc.py``, as ``jaxmoe train`` applies it;
 ``JAXMOE_SYSTEM_MALLOC=1``: none does); each round then times ``--steps`` steps of every system,
 one at a time, the order alternating between rounds (and a matmul peak before and after each
 round); a system's figure is the median over rounds (range beside it), the ratios are per round
 (median and range). ~6 minutes for ``--shape all`` on the 2-core machine. MFU = tokens/s x FLOPs
-per token / matmul peak, FLOPs per token from ``jaxmoe.counting.flops_per_token`` (6 x active
+per token / matmul peak, FLOPs per token from ``jaxmoe.config.counting.flops_per_token`` (6 x active
 matmul parameters without the input embedding, plus causal attention). ``ratio_to_best_peer``:
 jaxmoe tokens/s over the best torch system. With both shapes, ``fine_over_coarse_at_equal_flops``:
 each system's fine tokens/s over its coarse tokens/s, scaled by the FLOPs per token.
@@ -43,7 +43,7 @@ import sys
 import time
 
 # numpy (and every library that starts threads) is imported inside the functions: a worker must
-# apply jaxmoe's allocator setting before any thread allocates (jaxmoe/host_alloc.py)
+# apply jaxmoe's allocator setting before any thread allocates (jaxmoe/train/host_alloc.py)
 
 B, S, V, D, L, H, KV, HD = 8, 256, 8192, 512, 4, 8, 4, 64
 SHAPES = {
@@ -52,7 +52,7 @@ SHAPES = {
 }
 
 
-# what `auto` decides (jaxmoe/autoconf.py): the `jaxmoe_train` row leaves these to the defaults
+# what `auto` decides (jaxmoe/config/autoconf.py): the `jaxmoe_train` row leaves these to the defaults
 AUTO_KEYS = ("moe.compute_path", "train.ce_chunk_tokens", "train.scan_unroll")
 
 
@@ -95,7 +95,7 @@ def batch_np(seed=0):
 
 
 def matmul_peak(n=2048, reps=5) -> float:
-    from jaxmoe.step import measure_matmul_peak
+    from jaxmoe.train.step import measure_matmul_peak
 
     return measure_matmul_peak(n, "float32", reps)
 
@@ -107,8 +107,8 @@ def make_jaxmoe(cfg):
     import jax
 
     from jaxmoe.model.transformer import Model, declared_groups, init_params
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.step import init_state, make_train_step
+    from jaxmoe.train.optim import build_optimizer
+    from jaxmoe.train.step import init_state, make_train_step
 
     params, buffers = init_params(cfg, 0)
     tx = build_optimizer(cfg.train, params, declared_groups(cfg))
@@ -128,7 +128,7 @@ def _hf_model(cfg):
     import transformers
 
     from jaxmoe.archs import get_arch
-    from jaxmoe.hfconfig import to_hf_config
+    from jaxmoe.config.hf import to_hf_config
 
     d = to_hf_config(cfg)
     d.update(output_router_logits=False, router_aux_loss_coef=0.0, use_cache=False)
@@ -258,9 +258,9 @@ def _worker(shape: str, name: str, sets, conn) -> None:
     None)`` with the matmul peak (the ``peak`` worker), ``("stop", None)`` by returning. Every
     failure is sent back as ``("error", line)``."""
     try:
-        # every worker gets what `jaxmoe train` does at start-up (jaxmoe/host_alloc.py): no peer
+        # every worker gets what `jaxmoe train` does at start-up (jaxmoe/train/host_alloc.py): no peer
         # handicapped by a setting only jaxmoe gets; JAXMOE_SYSTEM_MALLOC=1 turns it off for all
-        from jaxmoe.host_alloc import keep_freed_memory
+        from jaxmoe.train.host_alloc import keep_freed_memory
 
         keep_freed_memory()
         if name == "peak":
@@ -335,7 +335,7 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
     """
     import multiprocessing as mp
 
-    from jaxmoe.counting import flops_per_token
+    from jaxmoe.config.counting import flops_per_token
 
     ctx = mp.get_context("spawn")
     fpt = flops_per_token(jax_config(shape, sets))
@@ -381,7 +381,7 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
            "flops_per_token": fpt, "rounds": rounds, "steps_per_round": steps, "notes": notes,
            "processes": "one worker process per system",
            # medians over rounds of each worker's user and kernel CPU seconds and minor page
-           # faults per step: the host allocator's churn shows here (jaxmoe/host_alloc.py)
+           # faults per step: the host allocator's churn shows here (jaxmoe/train/host_alloc.py)
            "per_step_os": {n: {k: statistics.median(v) for k, v in d.items()} for n, d in per_step.items()}}
     peers = {n: v for n, v in res["tokens_per_s"].items() if n not in ("jaxmoe", "jaxmoe_train")}
     if "jaxmoe" in tok and "jaxmoe_train" in tok:  # the real loop with defaults / the tuned step

@@ -8,7 +8,7 @@ A VARIANT is a comma-separated list of ``set:SECTION.KEY=VALUE`` (a config overr
 ``ENV=VALUE``; the empty string is the current code. Every variant is compiled and warmed up
 first; each round then times STEPS steps of every variant, the order reversed every other round.
 Prints each variant's median tokens/s (range) and its per-round ratio to the first variant.
-jaxmoe's host allocator setting (``jaxmoe/host_alloc.py``) is applied first, as ``jaxmoe train``
+jaxmoe's host allocator setting (``jaxmoe/train/host_alloc.py``) is applied first, as ``jaxmoe train``
 does. Figures are reported, never asserted.
 """
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         print("usage: python bench/train_step_ab.py coarse|fine VARIANT [VARIANT ...]", file=sys.stderr)
         return 2
     shape, variants = argv[0], argv[1:]
-    from jaxmoe.host_alloc import keep_freed_memory
+    from jaxmoe.train.host_alloc import keep_freed_memory
 
     keep_freed_memory()  # before jax starts its threads, as `jaxmoe train` and bench/train_step.py's worker
     rounds, steps = int(os.environ.get("ROUNDS", 4)), int(os.environ.get("STEPS", 3))

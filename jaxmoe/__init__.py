@@ -26,8 +26,8 @@ _API = {
     "Experts": "jaxmoe.model.experts",
     "apply_model": "jaxmoe.model.transformer",
     "init_params": "jaxmoe.model.transformer",
-    "compute_loss": "jaxmoe.losses",
-    "lm_loss": "jaxmoe.objective",
+    "compute_loss": "jaxmoe.train.losses",
+    "lm_loss": "jaxmoe.train.objective",
     "make_data": "jaxmoe.data",
 }
 

@@ -14,21 +14,21 @@ import sys
 import threading
 
 from jaxmoe.config import ConfigError
-from jaxmoe.config_cli import add_config_args, add_from_titan, config_from_args
-from jaxmoe.counting import count_params, human
+from jaxmoe.config.cli import add_config_args, add_from_titan, config_from_args
+from jaxmoe.config.counting import count_params, human
 from jaxmoe.errors import UserError
 from jaxmoe.extras import EXTRA_OF, hint
 
 # command -> (module, help)
 COMMANDS = {
-    "train": ("jaxmoe.train", "train a model (default: tiny on the embedded corpus, on CPU)"),
+    "train": ("jaxmoe.train.cli", "train a model (default: tiny on the embedded corpus, on CPU)"),
     "count": (None, "analytic total / active parameter counts of a preset"),
-    "config": ("jaxmoe.config_cli", "print a resolved config as TOML (preset, file, --set, or --from-titan)"),
-    "plan": ("jaxmoe.plan", "will a preset's train step fit a mesh? per-device memory, FLOPs, lowering"),
-    "plot": ("jaxmoe.plot", "write PNG plots from a training run's metrics.jsonl"),
+    "config": ("jaxmoe.config.cli", "print a resolved config as TOML (preset, file, --set, or --from-titan)"),
+    "plan": ("jaxmoe.plan.memory", "will a preset's train step fit a mesh? per-device memory, FLOPs, lowering"),
+    "plot": ("jaxmoe.train.plot", "write PNG plots from a training run's metrics.jsonl"),
     "tokenizer": ("jaxmoe.data.tokenize", "train a byte-level BPE tokenizer.json on text files"),
-    "convert": ("jaxmoe.port.cli", "convert checkpoints between hf:, orbax: and torch:"),
-    "logits": ("jaxmoe.port.cli", "write the fp32 logits a checkpoint computes on tokens"),
+    "convert": ("jaxmoe.port.commands.cli", "convert checkpoints between hf:, orbax: and torch:"),
+    "logits": ("jaxmoe.port.commands.cli", "write the fp32 logits a checkpoint computes on tokens"),
     "parity": ("parity.cli", "run the jaxmoe vs torch_ref parity suite"),
 }
 

@@ -50,10 +50,10 @@ def blocked_vjp_scaled(eps: float = 1e-3):
 
 def slot_swap():
     """The all_to_all dispatcher's combine reads token 0's first-choice result from token 1's
-    slot and vice versa (``jaxmoe.dispatch.combine`` on ``y_assign [T, k, D]`` with rows (0, 0)
+    slot and vice versa (``jaxmoe.parallel.expert_dispatch.combine`` on ``y_assign [T, k, D]`` with rows (0, 0)
     and (1, 0) swapped). A swap applied to the slot positions themselves would be invisible
     (send and return use the same slot), so the fault breaks the return path only."""
-    from jaxmoe import dispatch
+    from jaxmoe.parallel import expert_dispatch as dispatch
 
     original = dispatch.combine
 

@@ -2,7 +2,7 @@
 
 :class:`HFSide` builds the ``transformers`` model of the preset's architecture (DeepSeek-V3,
 Qwen3-MoE, Mixtral) from the parity run's weights: torch_ref holds them by HF name, writes an HF
-checkpoint (``torch_ref.hf_io.save_hf``: ``config.json`` from ``jaxmoe.hfconfig.to_hf_config``,
+checkpoint (``torch_ref.hf_io.save_hf``: ``config.json`` from ``jaxmoe.config.hf.to_hf_config``,
 per-expert tensors) and ``from_pretrained`` loads it (transformers 5 fuses the experts into
 ``experts.gate_up_proj [E, 2I, D]`` / ``experts.down_proj [E, D, I]`` on load).
 

@@ -18,7 +18,7 @@ One run (:func:`run_suite`) goes, top to bottom (the set-up and the two sides ar
 6. **Losses** (ce, z_loss, lb, seq_aux, router_z, total) with each side's ``compute_loss``.
 7. **Gradients** of every parameter, by HF name: jaxmoe's ``make_grad_fn`` (the real training
    path, micro-batch accumulation included) against torch_ref's ``accumulate_gradients``.
-8. **N optimizer steps** with ``jaxmoe.step.make_train_step`` and ``torch_ref.train.train_step``
+8. **N optimizer steps** with ``jaxmoe.train.step.make_train_step`` and ``torch_ref.train.train_step``
    on the same batches: loss curves, every parameter and the expert biases afterwards.
 9. **First divergence**: the earliest check in forward order that fails.
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 from jaxmoe.config import Config, load_config, validate
 from jaxmoe.errors import UserError
-from jaxmoe.mesh import build_context, parse_mesh
-from jaxmoe.sharding import BATCH_AXES
+from jaxmoe.parallel.mesh import build_context, parse_mesh
+from jaxmoe.parallel.sharding import BATCH_AXES
 from parity.checks import (
     Checks,
     compare_forward,

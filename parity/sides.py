@@ -4,7 +4,7 @@
   TF32 off (both default to faster modes on GPUs; parity needs them pinned).
 * **Weights, built once** (:func:`init_weights`): ``jaxmoe.model.transformer.init_params(cfg,
   seed)``; the expert bias (when the model has one) is randomised so that it really changes
-  expert selection. The same arrays go to torch_ref through ``jaxmoe.port.hf_map``
+  expert selection. The same arrays go to torch_ref through ``jaxmoe.port.maps.hf_map``
   (:func:`to_hf`: jaxmoe layout -> HF names, [in, out] -> [out, in]) and
   ``load_state_dict(strict=True)``.
 * **Batches** (:func:`make_batches`): random tokens from a seeded numpy generator, targets = next
@@ -26,7 +26,7 @@ import contextlib
 import numpy as np
 
 from jaxmoe.config import Config
-from jaxmoe.port.hf_map import ZERO, entries, flatten
+from jaxmoe.port.maps.hf_map import ZERO, entries, flatten
 from parity.checks import routing_record, selection_gap
 
 # jax, torch, torch_ref and the jaxmoe modules that import jax at import time are imported inside
@@ -108,7 +108,7 @@ def decisiveness(cfg: Config, logits: np.ndarray, scores: np.ndarray | None, bia
 def to_hf(cfg: Config, params, buffers=None, *, with_buffers: bool = True) -> dict[str, np.ndarray]:
     """jaxmoe params/buffers (nested dicts) -> {HF name: fp32 numpy array [out, in]}.
 
-    Uses the one mapping table (``jaxmoe.port.hf_map.entries``); HF-only tensors that jaxmoe
+    Uses the one mapping table (``jaxmoe.port.maps.hf_map.entries``); HF-only tensors that jaxmoe
     does not hold (a DeepSeek-V3 bias without ``use_expert_bias``) are zeros. With
     ``with_buffers=False`` buffer rows are skipped (used to name gradients)."""
     flat = {"params/" + k: v for k, v in flatten(params).items()}
@@ -172,7 +172,7 @@ def pack_rows(rng: np.random.Generator, valid: np.ndarray) -> tuple[np.ndarray, 
     return seg, pos
 
 
-PACKING_KEYS = ("segment_ids", "positions")  # jaxmoe.objective.PACKING_KEYS (kept jax-free here)
+PACKING_KEYS = ("segment_ids", "positions")  # jaxmoe.train.objective.PACKING_KEYS (kept jax-free here)
 
 
 def torch_batch(batch: dict) -> dict:
@@ -234,7 +234,7 @@ class JaxSide:
 
         self.cfg, self.ctx = cfg, mesh_ctx
         # names gradients and parameters: to_hf (HF names) unless a reference names them its way
-        # (parity.titan_runner: jaxmoe.port.titan_map.to_titan, torchtitan's native names)
+        # (parity.titan_runner: jaxmoe.port.maps.titan_map.to_titan, torchtitan's native names)
         self.namer = to_hf if namer is None else namer
         self.model = Model(cfg) if mesh_ctx is None else mesh_ctx.model()
         self.params0, self.buffers0 = params, buffers
@@ -257,10 +257,10 @@ class JaxSide:
         return {k: jnp.asarray(v) for k, v in batch.items()}
 
     def forward(self, batch: dict, forced=None) -> dict:
-        """-> {"logits", "aux"} as numpy, plus "losses" from ``jaxmoe.losses.compute_loss``."""
+        """-> {"logits", "aux"} as numpy, plus "losses" from ``jaxmoe.train.losses.compute_loss``."""
         import jax.numpy as jnp  # late: jax (see the note on imports)
 
-        from jaxmoe.losses import compute_loss
+        from jaxmoe.train.losses import compute_loss
 
         jb = self.batch(batch)
         f = None if forced is None else jnp.asarray(forced, jnp.int32)
@@ -274,7 +274,7 @@ class JaxSide:
         context manager) is active while the function is traced (a fault's jax-side hook)."""
         import jax  # late: jax (see the note on imports)
 
-        from jaxmoe.objective import make_grad_fn, with_forced_routing
+        from jaxmoe.train.objective import make_grad_fn, with_forced_routing
 
         cfg = self.cfg
         jb = self.batch(batch if forced is None else with_forced_routing(batch, forced))
@@ -285,8 +285,8 @@ class JaxSide:
     def train(self, batches: list[dict]) -> dict:
         """N steps of ``make_train_step``; -> {"losses": [...], "params": HF dict, "bias": [Lm, E]}."""
         from jaxmoe.model.transformer import declared_groups  # late: jax (see the note on imports)
-        from jaxmoe.optim import build_optimizer
-        from jaxmoe.step import init_state, make_train_step
+        from jaxmoe.train.optim import build_optimizer
+        from jaxmoe.train.step import init_state, make_train_step
 
         cfg = self.cfg
         tx = build_optimizer(cfg.train, self.params0, declared_groups(cfg))

@@ -2,12 +2,12 @@
 
 One run (:func:`run_titan_suite`), same structure and report as :func:`parity.runner.run_suite`:
 
-1. the jaxmoe config is derived from the torchtitan flavor (:func:`parity.titan_flavors.
+1. the jaxmoe config is derived from the torchtitan flavor (:func:`jaxmoe.config.titan.
    config_from_titan`, after ``--titan-set`` edits of the torchtitan config), then the run size
    (``--profile``) and ``--set`` overrides of the train section;
 2. weights built once by jaxmoe (:func:`parity.sides.init_weights`, ``--init-scale``; a sigmoid
    flavor's expert bias randomised), given to torchtitan by its native names
-   (:func:`jaxmoe.port.titan_map.to_titan`);
+   (:func:`jaxmoe.port.maps.titan_map.to_titan`);
 3. forward on both sides: routing sets per MoE layer (torchtitan selects with the bias, takes the
    gate weights from the unbiased scores, limits groups), router logits, gate weights, counts,
    logits and KL (torchtitan has no activation probes);
@@ -16,7 +16,7 @@ One run (:func:`run_titan_suite`), same structure and report as :func:`parity.ru
 5. every gradient by torchtitan name (relative L2), from jaxmoe's training path
    (``make_grad_fn``) and torchtitan's ``loss.backward()``;
 6. with ``--steps N``: N training steps on both sides from the same weights and batches --
-   jaxmoe's ``make_train_step`` with the train section :func:`parity.titan_flavors.
+   jaxmoe's ``make_train_step`` with the train section :func:`jaxmoe.config.titan.
    map_titan_training` set (AdamW decaying every parameter, clipping, ``titan_wsd``, the
    ``sign_centred`` bias rule; ``train.steps`` = N unless ``--set train.steps=`` says otherwise,
    as it is the schedule's length on both sides), torchtitan's ``OptimizersContainer`` /
@@ -86,7 +86,7 @@ TITAN_RUN_SCHEDULE = {"warmup_steps": 2, "titan_decay_ratio": 0.8, "titan_decay_
 def titan_config(opts, n_steps: int = 0):
     """(TitanConfig, jaxmoe Config sized for the run) from ``opts.titan`` / ``titan_overrides``;
     ``train.steps`` = ``n_steps`` (the schedule's length) unless ``--set`` gives it."""
-    from parity.titan_flavors import config_from_titan
+    from jaxmoe.config.titan import config_from_titan
 
     if not opts.titan:
         raise UserError("--reference torchtitan needs --titan FAMILY/FLAVOR (e.g. deepseek_v3/debugmodel)")
@@ -115,7 +115,7 @@ def titan_config(opts, n_steps: int = 0):
 
 def run_titan_suite(opts, n_steps: int) -> dict:
     """Compare jaxmoe with torchtitan's own model of ``opts.titan`` (see the module doc)."""
-    from jaxmoe.port.titan_map import to_titan
+    from jaxmoe.port.maps.titan_map import to_titan
     from parity.titan_side import TitanSide
 
     if opts.mesh or opts.force_routing:

@@ -2,8 +2,8 @@
 
 :class:`TitanSide` builds torchtitan's model from the flavor's config
 (``torchtitan.models.<family>.model_registry(flavor).model.build()``, after
-:func:`parity.titan_flavors.apply_overrides`), loads the run's weights by torchtitan's native
-names (:mod:`jaxmoe.port.titan_map`: one table), and computes what torchtitan's trainer
+:func:`jaxmoe.config.titan.apply_overrides`), loads the run's weights by torchtitan's native
+names (:mod:`jaxmoe.port.maps.titan_map`: one table), and computes what torchtitan's trainer
 computes: the logits, the loss as ``CrossEntropyLoss`` (summed cross-entropy divided by the
 global count of valid tokens, ignore index -100), and the gradient of every parameter by
 torchtitan name. Routing is captured from each ``moe.router`` (its ``(topk_scores,
@@ -44,59 +44,14 @@ site-packages is edited):
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 
 from jaxmoe.errors import UserError
+from jaxmoe.port.commands.titan_model import NoParallelism, build_titan_model
 from parity.checks import routing_record
 from parity.sides import to_numpy, torch_batch
 
 IGNORE_INDEX = -100  # torchtitan.components.loss.IGNORE_INDEX
-
-
-def _fp32_experts_class():
-    """``GroupedExperts`` with torchtitan's forward minus its bf16 casts (see the module doc)."""
-    import torch  # late: torch and torchtitan
-    import torch.nn.functional as F
-    from torchtitan.models.common.moe import GroupedExperts
-
-    class FP32GroupedExperts(GroupedExperts):
-        """torchtitan 0.3.0 ``GroupedExperts.forward`` without ``.bfloat16()`` on the tokens and
-        weights; the output keeps the input's dtype. No expert parallelism (plain tensors)."""
-
-        def forward(self, x_RD, num_tokens_per_expert_E):
-            offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-            h_RF = F.silu(self._grouped_mm(A=x_RD, B_t=self.w1_EFD.transpose(-2, -1), offs=offsets_E))
-            h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=self.w3_EFD.transpose(-2, -1), offs=offsets_E)
-            return self._grouped_mm(A=h_RF, B_t=self.w2_EDF.transpose(-2, -1), offs=offsets_E).type_as(x_RD)
-
-    return FP32GroupedExperts
-
-
-def build_titan_model(titan_cfg, *, fp32_experts: bool = True, flex: bool = False):
-    """torchtitan's model of ``titan_cfg`` on CPU, fp32 (a deep copy is edited: SDPA attention,
-    unless ``flex`` keeps the flavor's own, FlexAttention, for packed documents)."""
-    import torch  # late: torch and torchtitan
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
-    from torchtitan.models.common.moe import GroupedExperts
-
-    tc = copy.deepcopy(titan_cfg)
-    for layer in tc.layers:
-        if not flex:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
-        elif not isinstance(layer.attention.inner_attention, FlexAttention.Config):
-            raise UserError(f"--packed --reference torchtitan: the flavor's attention is "
-                            f"{type(layer.attention.inner_attention).__qualname__}, not FlexAttention "
-                            "(varlen has no CPU kernel); use a flex flavor")
-    with torch.device("cpu"):
-        model = tc.build()
-    if fp32_experts:
-        cls = _fp32_experts_class()
-        for mod in model.modules():
-            if type(mod) is GroupedExperts:
-                mod.__class__ = cls
-    return model.float()
 
 
 class TitanSide:
@@ -222,7 +177,7 @@ class TitanSide:
         ``lr_schedulers.step()``.
 
         Built by torchtitan's own classes from ``tcfg`` (jaxmoe's train section, which
-        :func:`parity.titan_flavors.map_titan_training` sets to torchtitan's defaults):
+        :func:`jaxmoe.config.titan.map_titan_training` sets to torchtitan's defaults):
         ``OptimizersContainer`` over ``default_adamw(lr, betas, eps, weight_decay)`` (one AdamW
         group, decay on every parameter; ``implementation="for-loop"``: torchtitan's default
         "fused" is CUDA's kernel, the single-tensor path is torch's reference AdamW),
@@ -295,16 +250,4 @@ class TitanSide:
         return {"params": {n: to_numpy(named[n].detach()).astype(np.float32) for n in self.names}, "bias": bias}
 
 
-class NoParallelism:
-    """What ``register_moe_load_balancing_hook`` reads of ``ParallelDims`` on one process: no
-    meshes (``ParallelDims`` itself assumes CUDA when no accelerator is present)."""
-
-    ep_enabled = False
-    tp = 1
-
-    def get_optional_mesh(self, name):
-        del name
-        return None
-
-
-__all__ = ["IGNORE_INDEX", "NoParallelism", "TitanSide", "build_titan_model"]
+__all__ = ["IGNORE_INDEX", "TitanSide"]

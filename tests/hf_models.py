@@ -15,7 +15,7 @@ def random_hf_model(cfg, seed: int = 0, weight_scale: float = 1.0):
     import torch
     import transformers
 
-    from jaxmoe.hfconfig import to_hf_config
+    from jaxmoe.config.hf import to_hf_config
 
     d = to_hf_config(cfg)
     arch = d["architectures"][0]
@@ -36,7 +36,7 @@ def random_hf_model(cfg, seed: int = 0, weight_scale: float = 1.0):
 def same_tensors(a: Path, b: Path) -> int:
     """Assert that checkpoints ``a`` and ``b`` hold the same tensor names, dtypes, shapes and
     bytes; returns the number of tensors."""
-    from jaxmoe.port.safetensors_io import SafetensorsReader
+    from jaxmoe.port.io.safetensors_io import SafetensorsReader
 
     ra, rb = SafetensorsReader(a), SafetensorsReader(b)
     assert sorted(ra.names()) == sorted(rb.names())

@@ -11,7 +11,7 @@ from jaxmoe.config import load_config
 from jaxmoe.errors import ConfigError
 from jaxmoe.model.attention import attend
 from jaxmoe.model.transformer import Model, init_params
-from jaxmoe.objective import model_loss
+from jaxmoe.train.objective import model_loss
 
 
 def _rel(a, b):

@@ -1,4 +1,4 @@
-"""`auto` config values (jaxmoe.autoconf): the resolution table per backend and shape, explicit
+"""`auto` config values (jaxmoe.config.autoconf): the resolution table per backend and shape, explicit
 values left alone, and what ran recorded in the run directory."""
 
 import json
@@ -6,10 +6,9 @@ import tomllib
 
 import pytest
 
-from jaxmoe import autoconf
-from jaxmoe.autoconf import auto_choices, resolve_auto
 from jaxmoe.cli import main
-from jaxmoe.config import ConfigError, config_to_toml, load_config
+from jaxmoe.config import ConfigError, autoconf, config_to_toml, load_config
+from jaxmoe.config.autoconf import auto_choices, resolve_auto
 
 
 def _cfg(*sets, preset="tiny"):

@@ -9,9 +9,9 @@ import pytest
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import ConfigError
-from jaxmoe.losses import chunked_cross_entropy, cross_entropy
 from jaxmoe.model.transformer import Model, init_params
-from jaxmoe.objective import make_grad_fn
+from jaxmoe.train.losses import chunked_cross_entropy, cross_entropy
+from jaxmoe.train.objective import make_grad_fn
 
 
 def _rel(a, b):

@@ -1,4 +1,4 @@
-"""jaxmoe.checkpoint: exact round trips, keep-K, atomicity under SIGKILL, resharding, errors,
+"""jaxmoe.checkpoint.checkpointer: exact round trips, keep-K, atomicity under SIGKILL, resharding, errors,
 save_model / load_model."""
 
 import os
@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe.checkpoint import Checkpointer, load_model, save_model
+from jaxmoe.checkpoint.checkpointer import Checkpointer, load_model, save_model
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
-from jaxmoe.optim import build_optimizer
+from jaxmoe.train.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_save_model_load_model(tmp_path):
 CHILD = textwrap.dedent("""
     import asyncio, os, sys, time
     import jax.numpy as jnp
-    from jaxmoe.checkpoint import Checkpointer
+    from jaxmoe.checkpoint.checkpointer import Checkpointer
     directory, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ck = Checkpointer(directory, keep=5)
     ck.save(1, {"w": jnp.full((n,), 1.0)}, {"step": 1})

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from jaxmoe.config import ConfigError, list_presets, load_config
-from jaxmoe.counting import count_params
+from jaxmoe.config.counting import count_params
 
 PUBLISHED = {
     # name: (total, active, total tolerance, active tolerance)

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import config_from_dict, load_config
-from jaxmoe.hfconfig import to_hf_config
-from jaxmoe.port import hf_map, page_cache
-from jaxmoe.port.safetensors_io import SafetensorsWriter
+from jaxmoe.config.hf import to_hf_config
+from jaxmoe.port.io.safetensors_io import SafetensorsWriter
+from jaxmoe.port.maps import hf_map
+from jaxmoe.storage import page_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,7 +143,7 @@ def _ep(text):
 
 
 def _same_tensors(a: Path, b: Path) -> None:
-    from jaxmoe.port.safetensors_io import SafetensorsReader
+    from jaxmoe.port.io.safetensors_io import SafetensorsReader
 
     ra, rb = SafetensorsReader(a), SafetensorsReader(b)
     assert sorted(ra.names()) == sorted(rb.names())
@@ -152,7 +153,7 @@ def _same_tensors(a: Path, b: Path) -> None:
 
 
 def test_safetensors_routes_copy_bytes_in_the_kernel_bit_exact(tmp_path):
-    from jaxmoe.port.convert import convert
+    from jaxmoe.port.commands.convert import convert
 
     cfg = load_config("tiny")
     _write_hf(cfg, tmp_path / "hf")
@@ -179,7 +180,7 @@ def test_safetensors_routes_copy_bytes_in_the_kernel_bit_exact(tmp_path):
 
 def test_copy_bytes_falls_back_and_refuses_a_short_source(tmp_path, monkeypatch):
     from jaxmoe.errors import UserError
-    from jaxmoe.port import file_copy
+    from jaxmoe.storage import file_copy
 
     data = np.arange(300_000, dtype=np.uint8).tobytes()
     (tmp_path / "src").write_bytes(data)
@@ -201,7 +202,7 @@ def test_copy_bytes_falls_back_and_refuses_a_short_source(tmp_path, monkeypatch)
 
 
 def test_a_failing_copy_thread_leaves_nothing_written(tmp_path, monkeypatch):
-    from jaxmoe.port import convert as conv
+    from jaxmoe.port.commands import convert as conv
 
     _write_hf(load_config("tiny"), tmp_path / "hf")
     calls = []
@@ -223,7 +224,7 @@ def test_a_failing_copy_thread_leaves_nothing_written(tmp_path, monkeypatch):
 
 
 def test_conversion_fsyncs_each_file_once(tmp_path, monkeypatch):
-    from jaxmoe.port import convert as conv
+    from jaxmoe.port.commands import convert as conv
 
     _write_hf(_cfg(4), tmp_path / "hf")
     synced = []
@@ -271,10 +272,10 @@ def test_routes_into_orbax_stream_from_views_bit_exact(tmp_path, monkeypatch):
     leaf is handed out as a map of its tensor (the embedding, and lm_head transposed), also when
     the leaf is cast (to bfloat16 here: read and cast as the leaf is written). The Zarr chunks of
     a leaf over STREAM_CHUNK_BYTES are filled from transposed per-expert views of the source."""
-    from jaxmoe import checkpoint
+    from jaxmoe.checkpoint import checkpointer as checkpoint
+    from jaxmoe.checkpoint.orbax_read import LeafSlices, open_array
     from jaxmoe.config import config_to_toml
-    from jaxmoe.port.convert import convert
-    from jaxmoe.port.orbax_read import LeafSlices, open_array
+    from jaxmoe.port.commands.convert import convert
 
     monkeypatch.setattr(checkpoint, "STREAM_CHUNK_BYTES", 32 * 1024)  # experts: [1, 2, 64, 64]
     cfg = _cfg(4)
@@ -308,7 +309,7 @@ def test_routes_into_orbax_stream_from_views_bit_exact(tmp_path, monkeypatch):
         spilled.clear()
         convert(_ep(src), _ep(f"orbax:{tmp_path}/from-{name}"), **quiet, **opts)
         assert spilled == [], (name, spilled)  # every leaf a view: nothing copied to scratch
-    from jaxmoe.checkpoint import load_model
+    from jaxmoe.checkpoint.checkpointer import load_model
 
     state = tmp_path / "run" / "checkpoints" / "0" / "state"
     expert = LeafSlices(open_array(state, "params/moe/experts/gate_proj"))
@@ -327,7 +328,7 @@ def test_view_filler_fills_chunks_from_transposed_views():
     """Hand-made: a [2, 3, 4, 5] leaf whose view hands out per-(layer, expert) slices as
     transposed views ([4, 5] of [5, 4] memory), cut into [1, 2, 4, 5] and [1, 1, 2, 5] chunks;
     and a global leaf (depth 0) read once."""
-    from jaxmoe.checkpoint import StreamLeaf
+    from jaxmoe.checkpoint.checkpointer import StreamLeaf
     from jaxmoe.port.formats.orbax import ViewFiller
 
     full = np.arange(120, dtype=np.float32).reshape(2, 3, 4, 5)
@@ -364,8 +365,8 @@ def test_hf_leaf_view_reads_expert_groups_ahead_and_maps_global_leaves(tmp_path,
     asked dtype is a map of its tensor (nothing read until used), transposed like the leaf."""
     from support import resident
 
-    from jaxmoe.port import direct_io
     from jaxmoe.port.formats import open_source
+    from jaxmoe.storage import direct_io
 
     cfg = _cfg(4, n_layers=3)
     _write_hf(cfg, tmp_path / "hf")
@@ -417,7 +418,7 @@ def _expert_views_match(src, files, keys) -> None:
     indices mixed on one view."""
     from support import resident
 
-    from jaxmoe.port import direct_io
+    from jaxmoe.storage import direct_io
 
     for key in keys:
         view = src.leaf_view(key)
@@ -437,10 +438,10 @@ def test_hf_leaf_view_reads_fused_and_fp8_experts_a_group_at_a_time(tmp_path, mo
     """The fused HF expert layout (each expert's slice of a layer's gate_up_proj / down_proj)
     and DeepSeek-style FP8 expert tensors (dequantised one expert at a time) come through the
     same expert groups as per-expert tensors: no stacked leaf read whole."""
-    from jaxmoe.port import direct_io
-    from jaxmoe.port.convert import convert
+    from jaxmoe.port.commands.convert import convert
     from jaxmoe.port.formats import open_source
-    from jaxmoe.port.safetensors_io import SafetensorsReader
+    from jaxmoe.port.io.safetensors_io import SafetensorsReader
+    from jaxmoe.storage import direct_io
 
     cfg = _cfg(4, n_layers=3)
     _write_hf(cfg, tmp_path / "hf")

@@ -13,14 +13,14 @@ import json
 import numpy as np
 import pytest
 
-from jaxmoe import checkpoint
+from jaxmoe.checkpoint import checkpointer as checkpoint
 from jaxmoe.cli import main
 from jaxmoe.config import load_config
-from jaxmoe.port import hf_map
-from jaxmoe.port.convert import convert
+from jaxmoe.port.commands.convert import convert
 from jaxmoe.port.formats import parse_endpoint
 from jaxmoe.port.formats.hf import HfTensorSink
 from jaxmoe.port.formats.orbax import OrbaxSink
+from jaxmoe.port.maps import hf_map
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -27,9 +27,9 @@ from support import free_port, needs_titan
 
 from jaxmoe.cli import main
 from jaxmoe.errors import UserError
-from jaxmoe.port import titan_map
-from jaxmoe.port.dcp_io import DcpDir, safe_loads
 from jaxmoe.port.formats import bind_options, open_source, parse_endpoint
+from jaxmoe.port.io.dcp_io import DcpDir, safe_loads
+from jaxmoe.port.maps import titan_map
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAVOR = "deepseek_v3/debugmodel"
@@ -154,7 +154,8 @@ def test_two_rank_training_state_reads_for_resume(two_ranks):
     (each moment's rows in two files): one AdamW update of lr 1e-3 on gradients of 1e-3 everywhere
     gives exp_avg = (1 - 0.9) * 1e-3 = 1e-4 and exp_avg_sq = (1 - 0.95) * 1e-6 = 5e-8 in every
     element of every leaf; step = AdamW count = last_epoch = 1; the group's betas, eps, decay."""
-    from jaxmoe.port.titan_resume import grouped, open_resume, optimizer_entries, read_moment
+    from jaxmoe.port.maps.titan_state import grouped, optimizer_entries, read_moment
+    from jaxmoe.train.titan_resume import open_resume
 
     res = open_resume(f"dcp:{two_ranks}/step-1", FLAVOR)
     ts = res.ts
@@ -174,8 +175,8 @@ def test_two_rank_training_state_reads_for_resume(two_ranks):
 def test_logits_of_a_dcp_checkpoint_match_torchtitan(one_rank, tmp_path):
     import torch
 
-    from parity.titan_flavors import titan_model_config
-    from parity.titan_side import build_titan_model
+    from jaxmoe.config.titan import titan_model_config
+    from jaxmoe.port.commands.titan_model import build_titan_model
 
     tokens = np.random.default_rng(0).integers(0, 2048, size=(2, 16)).astype(np.int64)
     np.save(tmp_path / "tok.npy", tokens)
@@ -203,8 +204,8 @@ def _titan_load(step: Path, folder: Path, flavor: str = FLAVOR) -> dict:
     import torch
     from torchtitan.components.checkpoint import CheckpointManager
 
-    from parity.titan_flavors import titan_model_config
-    from parity.titan_side import build_titan_model
+    from jaxmoe.config.titan import titan_model_config
+    from jaxmoe.port.commands.titan_model import build_titan_model
 
     model = build_titan_model(titan_model_config(flavor), fp32_experts=False)
     with torch.no_grad():

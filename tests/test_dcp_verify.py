@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from support import needs_titan
 
-from jaxmoe import checkpoint
+from jaxmoe.checkpoint import checkpointer as checkpoint
 from jaxmoe.cli import main
-from jaxmoe.port import titan_map
 from jaxmoe.port.formats.dcp import DcpSink
 from jaxmoe.port.formats.orbax import OrbaxSink
+from jaxmoe.port.maps import titan_map
 from jaxmoe.trees import unflatten
 
 pytest.importorskip("torch")
@@ -36,7 +36,7 @@ EXPERT_LEAF = "params/moe/experts/gate_proj"
 
 def _make_run(path, spec: str, std: float = 0.05):
     """A jaxmoe run dir (step 0) of the model ``spec`` names (as ``--titan`` does), random weights."""
-    from jaxmoe.config_cli import named_config
+    from jaxmoe.config import named_config
 
     cfg = named_config(spec)
     rng = np.random.default_rng(0)
@@ -121,8 +121,8 @@ def test_a_config_changed_from_its_flavor_has_no_torchtitan_model():
     """``titan:FAMILY/FLAVOR`` names the flavor only while its forward fields are the flavor's."""
     import dataclasses
 
-    from jaxmoe.config_cli import named_config
-    from jaxmoe.port.verify_titan import titan_flavor
+    from jaxmoe.config import named_config
+    from jaxmoe.port.commands.verify_titan import titan_flavor
 
     cfg = named_config(FLAVOR)
     assert titan_flavor(cfg) == (FLAVOR, "")

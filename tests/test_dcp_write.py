@@ -1,4 +1,4 @@
-"""Writing ``dcp:`` without ``torch.save``: the zip :class:`jaxmoe.port.torch_save.TensorZip`
+"""Writing ``dcp:`` without ``torch.save``: the zip :class:`jaxmoe.port.io.torch_save.TensorZip`
 lays out is torch's byte for byte, and ``convert.raw_copies`` pairs byte ranges of two namings by
 their place in the leaf (hf per-expert tensors <-> torchtitan stacked ones) or refuses."""
 
@@ -14,11 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxmoe.port.convert import raw_copies
-from jaxmoe.port.file_copy import crc32_of
+from jaxmoe.port.commands.convert import raw_copies
 from jaxmoe.port.formats.base import RawTensor
-from jaxmoe.port.page_cache import pwrite_all
-from jaxmoe.port.torch_save import TensorZip, crc32_combine, tensor_pickle
+from jaxmoe.port.io.torch_save import TensorZip, crc32_combine, tensor_pickle
+from jaxmoe.storage.file_copy import crc32_of
+from jaxmoe.storage.page_cache import pwrite_all
 
 DATA = Path(__file__).parent / "data"
 
@@ -67,7 +67,7 @@ def test_tensor_zip_zip64_matches_torch():
 
 
 def test_tensor_pickle_reads_back_with_the_safe_reader():
-    from jaxmoe.port.dcp_io import TensorRef, safe_loads
+    from jaxmoe.port.io.dcp_io import TensorRef, safe_loads
 
     ref = safe_loads(tensor_pickle(ml_dtypes.bfloat16, (3, 70000, 2)), "test")
     assert isinstance(ref, TensorRef) and ref.size == (3, 70000, 2) and ref.stride == (140000, 2, 1)
@@ -97,18 +97,18 @@ def test_hf_to_dcp_crcs_come_from_the_copies(tmp_path, monkeypatch):
     """hf -> dcp copies every expert's bytes in the kernel and checksums each copy while it is
     cached: no tensor is read back (crc32_of would fail here), and every zip's CRC-32 is right."""
     from jaxmoe.config import load_config
-    from jaxmoe.port import hf_map
-    from jaxmoe.port.convert import convert
-    from jaxmoe.port.dcp_io import DcpDir, Window
+    from jaxmoe.port.commands.convert import convert
     from jaxmoe.port.formats import dcp as dcp_format
     from jaxmoe.port.formats import parse_endpoint
-    from jaxmoe.port.safetensors_io import SafetensorsWriter
+    from jaxmoe.port.io.dcp_io import DcpDir, Window
+    from jaxmoe.port.io.safetensors_io import SafetensorsWriter
+    from jaxmoe.port.maps import hf_map
 
     cfg = load_config("tiny")
     table = hf_map.entries(cfg)
     hf = tmp_path / "hf"
     hf.mkdir()
-    from jaxmoe.hfconfig import to_hf_config
+    from jaxmoe.config.hf import to_hf_config
 
     (hf / "config.json").write_text(json.dumps(to_hf_config(cfg)))
     w = SafetensorsWriter(hf, [(e.hf_name, e.hf_shape, np.float32) for e in table])
@@ -137,9 +137,10 @@ def test_dcp_leaf_view_reads_expert_blocks_ahead(tmp_path, monkeypatch):
     """A dcp: source's expert rows come from blocks read around the page cache, the next block
     read ahead (direct_io.ReadAhead): every slice equals the leaf read whole, in order or not."""
     from jaxmoe.config import load_config
-    from jaxmoe.port import direct_io, titan_map
     from jaxmoe.port.formats import dcp as dcp_format
     from jaxmoe.port.formats import parse_endpoint
+    from jaxmoe.port.maps import titan_map
+    from jaxmoe.storage import direct_io
 
     cfg = load_config("tiny")
     sink = dcp_format.DcpSink(tmp_path / "dcp", cfg)
@@ -218,8 +219,8 @@ def test_metadata_pickle_equals_torchs_own():
     import torch.distributed.checkpoint.filesystem as fs
     import torch.distributed.checkpoint.metadata as dm
 
-    from jaxmoe.port.dcp_io import safe_loads
-    from jaxmoe.port.dcp_meta import metadata_bytes
+    from jaxmoe.port.io.dcp_io import safe_loads
+    from jaxmoe.port.io.dcp_meta import metadata_bytes
 
     z = torch.Size([0, 0])
     shapes = {"a.w": ((2, 3), torch.bfloat16, "bfloat16", 0, 100), "b": ((), torch.float32, "float32", 100, 50)}

@@ -1,4 +1,4 @@
-"""jaxmoe.port.direct_io: ranges written around the page cache, byte for byte, with fallbacks.
+"""jaxmoe.storage.direct_io: ranges written around the page cache, byte for byte, with fallbacks.
 
 Residency is read with support.resident (mincore); each residency check sits next to a control
 (the same bytes written plainly stay cached).
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from support import resident
 
-from jaxmoe.port import direct_io
-from jaxmoe.port.direct_io import ALIGN, DirectWriter
+from jaxmoe.storage import direct_io
+from jaxmoe.storage.direct_io import ALIGN, DirectWriter
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux O_DIRECT")
 
@@ -158,7 +158,7 @@ def test_a_failed_write_is_raised_at_close(tmp_path, monkeypatch):
 def _mapped(tmp_path, shape, dtype=np.float32, offset=0, seed=7):
     """A file holding an array of ``shape`` at ``offset`` (not block-aligned unless 0), synced
     and dropped from the cache, and a read-only map of it."""
-    from jaxmoe.port import page_cache
+    from jaxmoe.storage import page_cache
 
     a = np.random.default_rng(seed).standard_normal(shape).astype(dtype)
     path = tmp_path / f"m{seed}.bin"

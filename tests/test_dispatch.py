@@ -1,4 +1,4 @@
-"""Expert-parallel dispatchers (jaxmoe/dispatch.py) against the single-device expert FFN.
+"""Expert-parallel dispatchers (jaxmoe/parallel/expert_dispatch.py) against the single-device expert FFN.
 
 Every dispatcher that runs on CPU (all_to_all, allgather, chunked variants, and the ragged
 dispatcher's index arithmetic through an all_gather emulation of ragged_all_to_all) must give the
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import load_config
-from jaxmoe.dispatch import make_dispatch, resolve_dispatcher
 from jaxmoe.errors import UserError
-from jaxmoe.mesh import make_mesh, parse_mesh, resolve_mesh_shape
 from jaxmoe.model.experts import expert_ffn
+from jaxmoe.parallel.expert_dispatch import make_dispatch, resolve_dispatcher
+from jaxmoe.parallel.mesh import make_mesh, parse_mesh, resolve_mesh_shape
 
 T, D, I, E, K = 128, 16, 8, 8, 2
 

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmoe.config.schema import MoEConfig
 from jaxmoe.model.experts import capacity, expert_ffn, grouped_swiglu
-from jaxmoe.schema import MoEConfig
 
 PATHS = ("dense", "ragged", "blocked")
 T, D, I, E = 40, 16, 24, 8

@@ -51,8 +51,8 @@ def test_every_leaf_metadata_comes_from_its_declaration(monkeypatch):
     q projection's logical axes and optimizer group) and both follow, with no table to edit."""
     from jaxmoe.model import transformer
     from jaxmoe.model.params import Linear
-    from jaxmoe.optim import param_labels
-    from jaxmoe.sharding import param_specs
+    from jaxmoe.parallel.sharding import param_specs
+    from jaxmoe.train.optim import param_labels
 
     cfg = load_config("tiny")
     decl = transformer.model_declarations(cfg)

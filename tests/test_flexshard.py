@@ -1,6 +1,6 @@
-"""FlexShard: owner-placed Muon (jaxmoe/flexshard.py) equals single-device Muon, and the compiled
+"""FlexShard: owner-placed Muon (jaxmoe/train/muon_placement.py) equals single-device Muon, and the compiled
 (SPMD-partitioned) optimizer update moves what it should: nothing for experts held whole, fewer
-bytes than an all-gather of every matrix for dense matrices (jaxmoe/hlo_stats.py)."""
+bytes than an all-gather of every matrix for dense matrices (jaxmoe/plan/hlo_stats.py)."""
 
 import math
 
@@ -12,12 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import load_config
-from jaxmoe.flexshard import ns_flops, owner_placed, placement, plan_owners
-from jaxmoe.hlo_stats import count_collectives, optimizer_update_collectives, total
-from jaxmoe.mesh import make_mesh
 from jaxmoe.model.transformer import abstract_params, declared_groups
-from jaxmoe.optim import build_optimizer, param_labels
-from jaxmoe.sharding import declared_axes_flat, param_specs
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.sharding import declared_axes_flat, param_specs
+from jaxmoe.plan.hlo_stats import count_collectives, optimizer_update_collectives, total
+from jaxmoe.train.muon_placement import ns_flops, owner_placed, placement, plan_owners
+from jaxmoe.train.optim import build_optimizer, param_labels
 from jaxmoe.trees import key_path_str
 
 MESHES = {"fsdp2xexpert4": dict(replica=1, fsdp=2, expert=4, tensor=1),

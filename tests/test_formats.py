@@ -14,10 +14,11 @@ import pytest
 from jaxmoe.cli import main
 from jaxmoe.config import Config, config_from_dict, load_config, validate
 from jaxmoe.errors import UserError
-from jaxmoe.port import formats, hf_map
-from jaxmoe.port.convert import convert
+from jaxmoe.port import formats
+from jaxmoe.port.commands.convert import convert
 from jaxmoe.port.formats import FORMATS, parse_endpoint
 from jaxmoe.port.formats.base import Endpoint, Format, Option, Sink, Source
+from jaxmoe.port.maps import hf_map
 
 # --------------------------------------------------------------------------------------------
 # A toy format: DIR/config.json (the jaxmoe config) + DIR/leaves.npz (one array per leaf)

@@ -1,6 +1,6 @@
 """The GPU expert path is a grouped GEMM, not a dense one: the bf16 train step of a small MoE,
 lowered for CUDA on this CPU-only machine (abstract mesh, ``lowering_platforms=("cuda",)``;
-:func:`jaxmoe.plan_lower.lower_abstract`), checked on its StableHLO.
+:func:`jaxmoe.plan.lower.lower_abstract`), checked on its StableHLO.
 
 What "dense" means here (issue 27 item 1; docs/MEASUREMENTS.md "GPU"): ``jax.lax.ragged_dot``
 reaches XLA as a ``chlo.ragged_dot`` op, and XLA (CPU and GPU alike, jax 0.10-0.11) expands it
@@ -26,7 +26,7 @@ import jax
 import pytest
 
 from jaxmoe.config import load_config
-from jaxmoe.plan_lower import lower_abstract
+from jaxmoe.plan.lower import lower_abstract
 
 G, D, F, B, S, K_TOP = 4, 48, 80, 2, 24, 2  # experts, d_model, expert FFN, batch, seq, top-k
 ROWS = B * S * K_TOP  # 96 assignment rows, distinct from every weight dim
@@ -88,7 +88,7 @@ def test_ragged_xla_lowered_for_cuda_is_the_dense_counter_example(cuda_text):
 def test_ragged_xla_compiled_holds_the_dense_operand():
     """XLA's expansion of ``chlo.ragged_dot``, seen where it can be compiled here (XLA:CPU): the
     ``[G, R, K]`` operands appear in the compiled module of the same step."""
-    from jaxmoe.plan_lower import compile_on_local_devices
+    from jaxmoe.plan.lower import compile_on_local_devices
 
     hlo = compile_on_local_devices(_cfg(**{"moe.compute_path": "ragged", "moe.ragged_kernel": "xla"})).as_text()
     found = dense_operands(hlo)

@@ -19,10 +19,10 @@ import pytest
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
-from jaxmoe.port.convert import convert
+from jaxmoe.port.commands.convert import convert
+from jaxmoe.port.commands.logits import compare_logits, compute_logits
 from jaxmoe.port.formats import open_source, parse_endpoint
-from jaxmoe.port.logits import compare_logits, compute_logits
-from jaxmoe.port.safetensors_io import SafetensorsReader
+from jaxmoe.port.io.safetensors_io import SafetensorsReader
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from jaxmoe.errors import UserError
-from jaxmoe.losses import router_losses
-from jaxmoe.port import hf_map
-from jaxmoe.port.convert import convert, load_numpy_tree
+from jaxmoe.port.commands.convert import convert, load_numpy_tree
+from jaxmoe.port.commands.logits import compare_logits
 from jaxmoe.port.formats import open_source, parse_endpoint
-from jaxmoe.port.logits import compare_logits
-from jaxmoe.port.safetensors_io import SafetensorsReader
+from jaxmoe.port.io.safetensors_io import SafetensorsReader
+from jaxmoe.port.maps import hf_map
+from jaxmoe.train.losses import router_losses
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -296,7 +296,7 @@ def test_bf16_conversion_keeps_router_and_bias_fp32(hf, tmp_path):
 
 def test_cli_logits_framework_hf(hf, tmp_path, monkeypatch, capsys):
     from jaxmoe.cli import main
-    from jaxmoe.port import logits as port_logits
+    from jaxmoe.port.commands import logits as port_logits
 
     d = hf["mixtral"]["dirs"]["fused"]
     np.save(tmp_path / "tok.npy", TOKENS.astype(np.int32))
@@ -316,7 +316,7 @@ def test_cli_logits_framework_hf(hf, tmp_path, monkeypatch, capsys):
 
 
 def test_unknown_expert_layout_names_the_supported_ones(hf, tmp_path):
-    from jaxmoe.port.safetensors_io import write_tensors
+    from jaxmoe.port.io.safetensors_io import write_tensors
 
     src = hf["qwen3-norm"]["dirs"]["fused"]
     r = SafetensorsReader(src)

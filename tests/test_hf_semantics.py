@@ -20,9 +20,9 @@ import pytest
 
 from jaxmoe.archs import ARCHS
 from jaxmoe.config import ConfigError, load_config
-from jaxmoe.hfconfig import from_hf_config, to_hf_config
-from jaxmoe.losses import pooled_load_balance_loss, router_losses
+from jaxmoe.config.hf import from_hf_config, to_hf_config
 from jaxmoe.model.layers import rope_frequencies, yarn_softmax_mscale
+from jaxmoe.train.losses import pooled_load_balance_loss, router_losses
 
 # two MoE layers, two tokens, two experts, top-1
 PROBS = np.array([[[0.7, 0.3], [0.4, 0.6]], [[0.9, 0.1], [0.2, 0.8]]], np.float32)
@@ -82,7 +82,7 @@ def test_pooled_jaxmoe_equals_torch_ref_with_padding():
 
 
 def test_compute_loss_takes_the_attention_mask_not_the_target_mask():
-    from jaxmoe.losses import compute_loss
+    from jaxmoe.train.losses import compute_loss
 
     cfg = load_config("tiny", overrides=["moe.lb_scope=pooled", "moe.lb_coef=1.0"])
     b, s = 2, 6

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from jaxmoe.config import Config, ConfigError, list_presets, load_config
-from jaxmoe.hfconfig import from_hf_config, to_hf_config
+from jaxmoe.config.hf import from_hf_config, to_hf_config
 
 # moe fields config.json carries (the rest, e.g. compute_path, come from `base`)
 ROUTING = ("n_experts", "top_k", "expert_ffn_dim", "n_shared_experts", "score_func", "norm_topk_prob",

@@ -1,4 +1,4 @@
-"""jaxmoe.host_alloc: the glibc setting is applied once, can be opted out of, and is harmless."""
+"""jaxmoe.train.host_alloc: the glibc setting is applied once, can be opted out of, and is harmless."""
 
 import os
 import subprocess

@@ -13,8 +13,8 @@ import pytest
 
 from jaxmoe.cli import main
 from jaxmoe.config import load_config
+from jaxmoe.config.hf import to_hf_config
 from jaxmoe.data import make_data
-from jaxmoe.hfconfig import to_hf_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -60,8 +60,8 @@ def _metrics(run):
 
 
 def test_finetune_hf_checkpoint_and_convert_back(hf_dir, tmp_path, capsys):
+    from jaxmoe.port.commands.verify import jax_side
     from jaxmoe.port.formats import parse_endpoint
-    from jaxmoe.port.verify import jax_side
 
     run = tmp_path / "run"
     rc = main(["train", "--init-from", f"hf:{hf_dir}", "--steps", "8", "--out", str(run),

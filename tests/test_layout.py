@@ -1,5 +1,6 @@
-"""The code layout rules: no import cycles between the project's modules (function-level imports
-included), and no module above 500 lines."""
+"""The code layout rules: packages in layers with imports going down only, no import cycles between
+the project's modules (function-level imports and package ``__init__`` edges included), and no module
+above 500 lines."""
 
 import ast
 from pathlib import Path
@@ -46,17 +47,48 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def test_no_import_cycles():
+# The packages in layers, lowest first: a module may import only its own package and the packages of
+# lower layers (function-level imports included). docs/ARCHITECTURE.md shows the same table.
+LAYERS = [
+    ("jaxmoe.errors", "jaxmoe.trees"),
+    ("jaxmoe.extras", "jaxmoe.archs"),
+    ("jaxmoe.config",),
+    ("jaxmoe.model", "jaxmoe.storage", "jaxmoe.data", "torch_ref"),
+    ("jaxmoe.parallel", "jaxmoe.checkpoint", "jaxmoe.port.io"),
+    ("jaxmoe.port.maps",),
+    ("jaxmoe.port.formats",),
+    ("jaxmoe.port.commands",),
+    ("jaxmoe.train",),
+    ("jaxmoe.plan",),
+    ("jaxmoe.cli",),
+    ("parity",),
+]
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+# package faces that import nothing of their own: the root's lazy API (names as strings) and port's
+FACES = {"jaxmoe", "jaxmoe.port"}
+
+
+def unit_of(module: str) -> str:
+    """The package (or top-level module) of LAYERS a module belongs to."""
+    best = ""
+    for unit in LAYER_OF:
+        if (module == unit or module.startswith(unit + ".")) and len(unit) > len(best):
+            best = unit
+    return best or module
+
+
+def _graph() -> dict[str, set[str]]:
     mods = _modules()
     graph = {n: _imports(n, p, set(mods)) for n, p in mods.items()}
-    # a package importing its own submodules (re-exports) is not a cycle of concern: drop edges
-    # from a package __init__ to modules inside it
-    for n, p in mods.items():
-        if p.name == "__init__.py":
-            graph[n] = {t for t in graph[n] if not t.startswith(n + ".")}
-    # and every module implicitly imports its parent packages, which is never a cycle by itself
+    # every module implicitly imports its own parent packages first, which is never a cycle by itself;
+    # a package __init__'s imports of its own submodules ARE counted
     for n in graph:
         graph[n] = {t for t in graph[n] if not n.startswith(t + ".")}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _graph()
     cycles = []
     state: dict[str, int] = {}
 
@@ -75,6 +107,37 @@ def test_no_import_cycles():
         if n not in state:
             visit(n, [])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(n for n in _modules() if n not in FACES and unit_of(n) not in LAYER_OF)
+    assert not missing, f"modules outside every package of LAYERS (add the package to LAYERS): {missing}"
+
+
+def test_imports_only_go_down():
+    """No upward arrow: each import goes to the module's own package or to a lower layer."""
+    bad = []
+    for n, targets in _graph().items():
+        if n in FACES:
+            assert not targets, f"{n} is a face and imports {sorted(targets)}"
+            continue
+        me = unit_of(n)
+        for t in sorted(targets):
+            other = unit_of(t)
+            if t in FACES or other == me:
+                continue
+            if LAYER_OF[other] >= LAYER_OF[me]:
+                bad.append(f"{n} -> {t} ({me} may not import {other})")
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_the_layer_rule_catches_an_upward_import(tmp_path):
+    """The rule can fail: a model module importing the trainer is reported."""
+    f = tmp_path / "router.py"
+    f.write_text("def f():\n    from jaxmoe.train import step\n")
+    targets = _imports("jaxmoe.model.router", f, set(_modules()))
+    assert "jaxmoe.train.step" in targets
+    assert LAYER_OF[unit_of("jaxmoe.train.step")] > LAYER_OF[unit_of("jaxmoe.model.router")]
 
 
 @pytest.mark.parametrize("folder", ["jaxmoe", "torch_ref", "parity", "bench", "tests"])

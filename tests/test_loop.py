@@ -5,8 +5,8 @@ used by a second run of the same config."""
 import json
 from pathlib import Path
 
-from jaxmoe import compile_cache
 from jaxmoe.cli import main
+from jaxmoe.train import compile_cache
 
 SMALL = ["--preset", "tiny", "--set", "train.batch_size=4", "--set", "train.seq_len=32"]
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import load_config
-from jaxmoe.losses import (
+from jaxmoe.train.losses import (
     compute_loss,
     cross_entropy,
     load_balance_loss,

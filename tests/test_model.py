@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from jaxmoe.config import load_config
-from jaxmoe.counting import count_params
+from jaxmoe.config.counting import count_params
 from jaxmoe.model.transformer import Model, Transformer, apply_model, init_params, param_count
-from jaxmoe.objective import model_loss
+from jaxmoe.train.objective import model_loss
 
 B, S = 2, 8
 

@@ -83,7 +83,7 @@ def test_two_processes_match_one_and_resume_on_another_mesh(tmp_path):
 def test_xla_flag_profile_flags_exist_and_apply_before_init():
     """Every flag of the gpu_overlap profile is known to this jaxlib's XLA (XLA aborts at backend
     start-up on an unknown flag), and setting the profile keeps flags the user already gave."""
-    from jaxmoe.distributed import XLA_FLAG_PROFILES, apply_xla_flags_profile
+    from jaxmoe.parallel.distributed import XLA_FLAG_PROFILES, apply_xla_flags_profile
 
     env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
     added = apply_xla_flags_profile("gpu_overlap", env)
@@ -102,8 +102,8 @@ def test_xla_flag_profile_flags_exist_and_apply_before_init():
 
 
 def test_distributed_argument_errors():
-    from jaxmoe.distributed import initialize
     from jaxmoe.errors import UserError
+    from jaxmoe.parallel.distributed import initialize
 
     with pytest.raises(UserError, match="--num-processes"):
         initialize("127.0.0.1:1234", None, 0)

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.checkpoint import Checkpointer
+from jaxmoe.checkpoint.checkpointer import Checkpointer
 from jaxmoe.config import load_config
 from jaxmoe.model.transformer import OFFLOADED, Model, abstract_params, declared_groups, init_params
-from jaxmoe.objective import model_loss
-from jaxmoe.optim import build_optimizer
-from jaxmoe.step import HOST_KIND, init_state, make_train_step, state_shardings
+from jaxmoe.train.objective import model_loss
+from jaxmoe.train.optim import build_optimizer
+from jaxmoe.train.step import HOST_KIND, init_state, make_train_step, state_shardings
 
 STEPS = 5
 BASE = ["train.optimizer=muon", "train.batch_size=4", "train.seq_len=16", "train.steps=5",

@@ -1,4 +1,4 @@
-"""jaxmoe.optim against torch: Muon vs torch.optim.Muon, AdamW vs torch.optim.AdamW, clipping vs
+"""jaxmoe.train.optim against torch: Muon vs torch.optim.Muon, AdamW vs torch.optim.AdamW, clipping vs
 torch.nn.utils.clip_grad_norm_, schedules at hand-computed steps, labels and decay masks."""
 
 import math
@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
-from jaxmoe.optim import (
+from jaxmoe.config.schema import TrainConfig
+from jaxmoe.train.optim import (
     build_optimizer,
     clip_by_global_norm,
     decay_mask,
@@ -19,7 +20,6 @@ from jaxmoe.optim import (
     muon,
     param_labels,
 )
-from jaxmoe.schema import TrainConfig
 from jaxmoe.trees import key_path_str
 
 STEPS = 10

@@ -60,12 +60,12 @@ def test_wheel_holds_every_subpackage_and_preset(tmp_path):
     names = set(zipfile.ZipFile(whl).namelist())
     for pkg in sorted(_packages(ROOT)):
         assert pkg.replace(".", "/") + "/__init__.py" in names, pkg
-    for pkg in ("jaxmoe.port", "jaxmoe.archs", "jaxmoe.model", "jaxmoe.presets"):
+    for pkg in ("jaxmoe.port", "jaxmoe.archs", "jaxmoe.model", "jaxmoe.config.presets"):
         assert pkg in _packages(ROOT)
-    presets = sorted(p.name for p in (ROOT / "jaxmoe" / "presets").glob("*.toml"))
+    presets = sorted(p.name for p in (ROOT / "jaxmoe" / "config" / "presets").glob("*.toml"))
     assert presets
     for name in presets:
-        assert f"jaxmoe/presets/{name}" in names, name
+        assert f"jaxmoe/config/presets/{name}" in names, name
     assert not any(n.startswith("tests/") or n.startswith("bench/") for n in names)
 
 

@@ -20,7 +20,7 @@ import torch
 from jaxmoe.config import load_config
 from jaxmoe.model.attention import attend, document_mask
 from jaxmoe.model.transformer import Model, init_params
-from jaxmoe.objective import model_loss
+from jaxmoe.train.objective import model_loss
 from parity.runner import RunOptions, run_suite
 from parity.sides import to_hf
 from torch_ref.attention import document_mask as torch_document_mask

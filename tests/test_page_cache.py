@@ -1,4 +1,4 @@
-"""jaxmoe.port.page_cache: what a conversion writes or reads does not stay in the page cache.
+"""jaxmoe.storage.page_cache: what a conversion writes or reads does not stay in the page cache.
 
 Residency is read with ``mincore`` on a read-only map of the file (mapping faults nothing in).
 Each test also shows the check can fail: the same bytes written or read without the module stay
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from support import resident
 
-from jaxmoe.port import page_cache
-from jaxmoe.port.safetensors_io import SafetensorsReader, SafetensorsWriter
+from jaxmoe.port.io.safetensors_io import SafetensorsReader, SafetensorsWriter
+from jaxmoe.storage import page_cache
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux page cache")
 
@@ -88,7 +88,7 @@ def test_keep_page_cache_opts_out(tmp_path, monkeypatch):
 
 
 def test_copy_bytes_drops_source_and_destination(tmp_path, monkeypatch):
-    from jaxmoe.port import file_copy
+    from jaxmoe.storage import file_copy
 
     monkeypatch.setattr(file_copy, "COPY_BLOCK", 4 * MiB)
     data = cached_file(tmp_path / "src.bin", 40 * MiB)
@@ -137,7 +137,7 @@ def test_drop_view_drops_exactly_the_view(tmp_path):
 
 
 def test_kvstore_root():
-    from jaxmoe.checkpoint_stream import kvstore_root
+    from jaxmoe.checkpoint.stream import kvstore_root
 
     assert kvstore_root({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": "file:///x/y",
                                                        "path": "a.b"}}) == "/x/y"
@@ -149,7 +149,7 @@ def test_kvstore_root():
 def test_streaming_save_leaves_checkpoint_and_source_uncached(tmp_path):
     """A streaming save (``convert --to orbax:``) of a 32 MiB memmap leaf: neither the Orbax
     files written nor the source file read stay in the cache."""
-    from jaxmoe import checkpoint
+    from jaxmoe.checkpoint import checkpointer as checkpoint
 
     src = tmp_path / "leaf.bin"
     cached_file(src, 32 * MiB)
@@ -164,7 +164,7 @@ def test_streaming_save_leaves_checkpoint_and_source_uncached(tmp_path):
     assert written >= 32 * MiB
     assert sum(resident(f) for f in files) <= 4 * MiB
     assert resident(src) <= 4 * MiB
-    from jaxmoe.port.orbax_read import open_array
+    from jaxmoe.checkpoint.orbax_read import open_array
 
     back = open_array(tmp_path / "run" / "0" / "state", "params/w").read().result()
     np.testing.assert_array_equal(back, leaf)
@@ -193,7 +193,7 @@ def test_leaf_slices_read_ahead(tmp_path):
     the right values (a read-ahead that does not match is dropped)."""
     import tensorstore as ts
 
-    from jaxmoe.port.orbax_read import LeafSlices
+    from jaxmoe.checkpoint.orbax_read import LeafSlices
 
     vals = np.random.default_rng(4).standard_normal((3, 4, 5, 6)).astype(np.float32)
     store = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "a")},

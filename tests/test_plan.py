@@ -1,4 +1,4 @@
-"""``jaxmoe plan`` (jaxmoe/plan.py, jaxmoe/plan_lower.py): the CLI contract, bad-input lines, the
+"""``jaxmoe plan`` (jaxmoe/plan/memory.py, jaxmoe/plan/lower.py): the CLI contract, bad-input lines, the
 accounting against the rules and against XLA:CPU's memory_analysis() on small presets, lowering
 on an abstract mesh and the optimizer update's collectives in the partitioned module.
 
@@ -12,9 +12,9 @@ import pytest
 
 from jaxmoe.cli import main
 from jaxmoe.config import load_config
-from jaxmoe.counting import count_params
-from jaxmoe.mesh import parse_mesh
-from jaxmoe.plan import MAX_REPLICATED_DENSE, make_plan, plan_config
+from jaxmoe.config.counting import count_params
+from jaxmoe.parallel.mesh import parse_mesh
+from jaxmoe.plan.memory import MAX_REPLICATED_DENSE, make_plan, plan_config
 
 CONTRACT = {"total_params", "active_params", "flops_per_token", "per_device", "fits", "lowered",
             "replicated_dense_fraction", "optimizer_update_collectives"}
@@ -109,7 +109,7 @@ MEMORY_CASES = [pytest.param(p, o, r, marks=() if (p, o, r) in MEMORY_FAST else 
 def memory_analyses():
     """(preset, optimizer, remat) -> (config, XLA's memory_analysis figures): one compile per
     combination for the whole module, whichever test asks first."""
-    from jaxmoe.plan_lower import compiled_memory
+    from jaxmoe.plan.lower import compiled_memory
 
     cache = {}
 
@@ -140,7 +140,7 @@ def test_lower_and_optimizer_update_collectives(capsys):
     """--lower on tiny: the real step lowers for cuda on an abstract mesh; the Muon update of whole
     experts has no collectives in the partitioned module, while FSDP-sharded experts
     (mesh.expert_axes='expert' with fsdp=2) and FSDP-sharded dense matrices do."""
-    from jaxmoe.plan_lower import optimizer_update_collectives
+    from jaxmoe.plan.lower import optimizer_update_collectives
 
     out = _run_json(capsys, ["--preset", "tiny", "--mesh", "fsdp=2,expert=4", "--set", "mesh.expert_axes=fsdp,expert",
                              "--optimizer", "muon", "--lower"])
@@ -174,8 +174,8 @@ def test_planned_batch_carries_the_document_keys_when_packing_documents():
     sharded like inputs), so the planned graph holds the document mask the real run computes."""
     from jax.sharding import AbstractMesh, AxisType
 
-    from jaxmoe.plan_lower import abstract_inputs
-    from jaxmoe.sharding import AXES
+    from jaxmoe.parallel.sharding import AXES
+    from jaxmoe.plan.lower import abstract_inputs
 
     mesh = AbstractMesh((1,) * len(AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
     for packing, extra in (("windows", set()), ("documents", {"segment_ids", "positions"})):

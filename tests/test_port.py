@@ -17,11 +17,11 @@ from hf_models import random_hf_model, same_tensors
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
-from jaxmoe.port import hf_map
-from jaxmoe.port.convert import convert
+from jaxmoe.port.commands.convert import convert
+from jaxmoe.port.commands.logits import compare_logits, compute_logits
 from jaxmoe.port.formats import parse_endpoint
-from jaxmoe.port.logits import compare_logits, compute_logits
-from jaxmoe.port.safetensors_io import SafetensorsReader, write_tensors
+from jaxmoe.port.io.safetensors_io import SafetensorsReader, write_tensors
+from jaxmoe.port.maps import hf_map
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -321,7 +321,7 @@ def test_table_leaves_match_init_params(preset):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_hf_orbax_hf_and_orbax_hf_orbax_bit_exact(hf_dirs, preset, tmp_path, monkeypatch):
-    from jaxmoe import checkpoint
+    from jaxmoe.checkpoint import checkpointer as checkpoint
 
     # orbax: destinations stream leaves in chunks; make the tiny leaves multi-chunk too
     monkeypatch.setattr(checkpoint, "STREAM_CHUNK_BYTES", 32768)

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.errors import UserError
-from jaxmoe.port import hf_map
-from jaxmoe.port.safetensors_io import (
+from jaxmoe.port.io.safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,
     SafetensorsWriter,
@@ -20,6 +19,7 @@ from jaxmoe.port.safetensors_io import (
     parse_size,
     write_tensors,
 )
+from jaxmoe.port.maps import hf_map
 
 torch = pytest.importorskip("torch")
 
@@ -125,7 +125,7 @@ def test_streaming_save_is_bit_exact_chunked_and_one_leaf_at_a_time(tmp_path, mo
     """memmap leaves (odd shapes, bf16) -> stream_numpy save -> both readers
     (Checkpointer.restore onto a target, restore_subtree as load_model uses) give them back
     bit-exactly; leaves are written one after another, big ones in several chunks."""
-    from jaxmoe import checkpoint
+    from jaxmoe.checkpoint import checkpointer as checkpoint
 
     monkeypatch.setattr(checkpoint, "STREAM_CHUNK_BYTES", 4096)
     rng = np.random.default_rng(0)
@@ -176,7 +176,7 @@ def test_streaming_save_holds_chunks_not_leaves(tmp_path, monkeypatch):
     chunks (the kernel maps whole folios), or OCDBT buffering encoded chunks until a 2 GiB data
     file is full, adds >= ~60 MB here.
     """
-    from jaxmoe import checkpoint
+    from jaxmoe.checkpoint import checkpointer as checkpoint
 
     monkeypatch.setattr(checkpoint, "STREAM_CHUNK_BYTES", 2**20)
     leaf = np.memmap(tmp_path / "leaf.bin", np.float32, "w+", shape=(16, 1024, 1024))
@@ -220,8 +220,8 @@ def test_stream_leaf_saves_the_same_checkpoint_as_an_array(tmp_path, monkeypatch
     its chunks are asked for in order, each once, then it is released."""
     import json
 
-    from jaxmoe import checkpoint
-    from jaxmoe.port.orbax_read import open_array
+    from jaxmoe.checkpoint import checkpointer as checkpoint
+    from jaxmoe.checkpoint.orbax_read import open_array
 
     monkeypatch.setattr(checkpoint, "STREAM_CHUNK_BYTES", 4096)
     rng = np.random.default_rng(2)
@@ -260,10 +260,10 @@ def test_byte_copies_of_consecutive_leaves_run_in_destination_order(tmp_path, mo
     result is the source's bytes; a dcp: sink, which places each leaf at its current end, still
     gets its copies leaf by leaf."""
     from jaxmoe.config import config_from_dict, load_config
-    from jaxmoe.hfconfig import to_hf_config
-    from jaxmoe.port import convert as convert_mod
-    from jaxmoe.port.file_copy import COPY_BLOCK
+    from jaxmoe.config.hf import to_hf_config
+    from jaxmoe.port.commands import convert as convert_mod
     from jaxmoe.port.formats import parse_endpoint as _ep
+    from jaxmoe.storage.file_copy import COPY_BLOCK
 
     cfg = config_from_dict({"model": {"n_layers": 3}, "moe": {"n_experts": 4}}, load_config("tiny"))
     table = hf_map.entries(cfg)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxmoe.checkpoint.run_dir import RunDir
 from jaxmoe.cli import main
-from jaxmoe.run_dir import RunDir
 
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
 SMALL = ["--preset", "tiny", "--set", "train.batch_size=4", "--set", "train.seq_len=32",

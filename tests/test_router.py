@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmoe.config.schema import MoEConfig
 from jaxmoe.model.router import route
-from jaxmoe.schema import MoEConfig
 
 
 def _route(logits_row, cfg, bias=None, forced=None):

@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import load_config
 from jaxmoe.errors import UserError
-from jaxmoe.mesh import build_context, parse_mesh, resolve_mesh_shape
-from jaxmoe.sharding import declared_axes_flat, logical_axes, param_specs, spec_for
+from jaxmoe.parallel.mesh import build_context, parse_mesh, resolve_mesh_shape
+from jaxmoe.parallel.sharding import declared_axes_flat, logical_axes, param_specs, spec_for
 
 # --------------------------------------------------------------------------------------------
 # Mesh parsing and validation (no model needed)
@@ -122,7 +122,7 @@ def test_europa_seed_layout_is_expressible():
         per_dev += n // shards
     assert specs["moe"]["experts"]["gate_proj"] == P(None, "expert", None, None)
     # the analytic count of the config equals the abstract tree's size
-    from jaxmoe.counting import count_params
+    from jaxmoe.config.counting import count_params
 
     assert total == count_params(cfg)["total_params"]
     # experts (98.7% of the weights) are split 384-way: one expert per device per layer
@@ -172,7 +172,7 @@ def _close_tree(a, b, rtol=1e-5, atol=1e-7):
 
 
 def _grad_fn(model):
-    from jaxmoe.objective import model_loss
+    from jaxmoe.train.objective import model_loss
 
     def f(params, buffers, batch):
         total, (metrics, aux) = model_loss(model, params, buffers, batch)
@@ -199,8 +199,8 @@ def _reference(preset):
 
 def _train_steps(cfg, ctx, n=5):
     from jaxmoe.model.transformer import Model, declared_groups, init_params
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.step import init_state, make_train_step
+    from jaxmoe.train.optim import build_optimizer
+    from jaxmoe.train.step import init_state, make_train_step
 
     params, buffers = init_params(cfg, 0)
     tx = build_optimizer(cfg.train, params, declared_groups(cfg))
@@ -307,8 +307,8 @@ def test_state_restore_targets_and_optimizer_specs(optimizer):
     """place_state on ShapeDtypeStructs returns restore targets carrying shardings, and
     optimizer moments are sharded like their parameters."""
     from jaxmoe.model.transformer import declared_groups, init_params
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.step import init_state
+    from jaxmoe.train.optim import build_optimizer
+    from jaxmoe.train.step import init_state
 
     cfg = _cfg("tiny")
     cfg = cfg.replace(train=dataclasses.replace(cfg.train, optimizer=optimizer))

@@ -1,6 +1,6 @@
 """Start-up at scale: parameters and optimizer state are created under ``jit`` with the
-rule-derived output shardings (jaxmoe.model.transformer.init_fn, jaxmoe.step.opt_init_fn -- the
-programs jaxmoe.loop.Trainer runs for a fresh state), so each device materialises only its own
+rule-derived output shardings (jaxmoe.model.transformer.init_fn, jaxmoe.train.step.opt_init_fn -- the
+programs jaxmoe.train.loop.Trainer runs for a fresh state), so each device materialises only its own
 shard: the compiled programs' output shardings equal MeshContext.state_shardings, and the
 partitioned programs never hold a sharded leaf at its full (global) shape."""
 
@@ -10,10 +10,10 @@ import jax
 import numpy as np
 
 from jaxmoe.config import load_config
-from jaxmoe.mesh import build_context, parse_mesh
 from jaxmoe.model.transformer import abstract_params, declared_groups, init_fn, init_params
-from jaxmoe.optim import build_optimizer
-from jaxmoe.step import init_state, opt_init_fn
+from jaxmoe.parallel.mesh import build_context, parse_mesh
+from jaxmoe.train.optim import build_optimizer
+from jaxmoe.train.step import init_state, opt_init_fn
 
 
 def _shape_str(x, shape):

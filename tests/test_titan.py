@@ -15,16 +15,16 @@ import pytest
 from support import needs_titan, titan_importable
 
 from jaxmoe.config import load_config
-from jaxmoe.counting import count_params
+from jaxmoe.config.counting import count_params
 from jaxmoe.errors import UserError
-from jaxmoe.port.titan_map import from_titan, leaf_shapes, titan_entries, to_titan
+from jaxmoe.port.maps.titan_map import from_titan, leaf_shapes, titan_entries, to_titan
 from jaxmoe.trees import unflatten
 
 
 def _all_flavors():
     if not titan_importable():
         return []
-    from parity.titan_flavors import FAMILIES, flavors
+    from jaxmoe.config.titan import FAMILIES, flavors
 
     return [f"{fam}/{fl}" for fam in FAMILIES for fl in flavors(fam)]
 
@@ -90,7 +90,7 @@ def test_every_moe_flavor_is_mapped():
 @pytest.mark.parametrize("spec", _all_flavors() or ["(torchtitan missing)"])
 def test_count_equals_torchtitan_count(spec):
     """`jaxmoe count` of the mapped config == torchtitan's own parameter count (meta device)."""
-    from parity.titan_flavors import config_from_titan, titan_param_count
+    from jaxmoe.config.titan import config_from_titan, titan_param_count
 
     cfg = config_from_titan(spec).config
     assert count_params(cfg)["total_params"] == titan_param_count(spec)
@@ -99,7 +99,7 @@ def test_count_equals_torchtitan_count(spec):
 @needs_titan
 def test_mapping_reads_the_flavor():
     """The fields that differ between flavors (and from jaxmoe's defaults) come from torchtitan."""
-    from parity.titan_flavors import config_from_titan
+    from jaxmoe.config.titan import config_from_titan
 
     c = config_from_titan("deepseek_v3/671B").config
     m, e = c.model, c.moe
@@ -122,7 +122,7 @@ def test_mapping_reads_the_flavor():
                                         ("attention.rope.truncate=false", "truncate"),
                                         ("moe.router.gate.bias=true", "moe.router.gate.bias")])
 def test_unrepresentable_field_fails_with_one_line(edit, field):
-    from parity.titan_flavors import config_from_titan
+    from jaxmoe.config.titan import config_from_titan
 
     with pytest.raises(UserError) as ei:
         config_from_titan("deepseek_v3/debugmodel", [edit])
@@ -240,7 +240,7 @@ def test_titan_wsd_schedule_equals_torchtitans(n, warmup, ratio, kind, lo):
     """``train.schedule=titan_wsd`` (jaxmoe and torch_ref) gives torchtitan's LR of every update;
     jaxmoe's own ``wsd`` with the same settings does not."""
     from jaxmoe.config import Config
-    from jaxmoe.optim import lr_schedule
+    from jaxmoe.train.optim import lr_schedule
     from torch_ref.train import lr_factor
 
     want = _titan_lrs(n, warmup, ratio, kind, lo)
@@ -257,7 +257,7 @@ def test_titan_wsd_schedule_equals_torchtitans(n, warmup, ratio, kind, lo):
 
 
 def _sigmoid_titan_config():
-    from parity.titan_flavors import config_from_titan
+    from jaxmoe.config.titan import config_from_titan
 
     return config_from_titan("deepseek_v3/debugmodel", SIGMOID)
 
@@ -272,8 +272,8 @@ def test_bias_update_equals_torchtitans_hook(rule):
     import torch
     from torchtitan.components.optimizer import OptimizersContainer, default_adamw, register_moe_load_balancing_hook
 
-    from jaxmoe.losses import update_expert_bias
-    from parity.titan_side import NoParallelism, build_titan_model
+    from jaxmoe.port.commands.titan_model import NoParallelism, build_titan_model
+    from jaxmoe.train.losses import update_expert_bias
 
     tcfg = _sigmoid_titan_config()
     cfg = tcfg.config
@@ -322,10 +322,10 @@ def test_optimizer_equals_torchtitans(edit):
 
     from jaxmoe.config import config_from_dict, parse_override
     from jaxmoe.model.transformer import declared_groups
-    from jaxmoe.optim import build_optimizer
+    from jaxmoe.port.commands.titan_model import build_titan_model
+    from jaxmoe.train.optim import build_optimizer
     from parity.sides import init_weights
     from parity.titan_runner import TITAN_RUN_SCHEDULE
-    from parity.titan_side import build_titan_model
 
     tcfg = _sigmoid_titan_config()
     cfg = tcfg.config
@@ -428,8 +428,8 @@ def test_hf_export_equals_torchtitans_to_hf(tmp_path, capsys):
 
     from jaxmoe.cli import main
     from jaxmoe.config import config_to_toml
-    from parity.titan_flavors import config_from_titan
-    from parity.titan_side import build_titan_model
+    from jaxmoe.config.titan import config_from_titan
+    from jaxmoe.port.commands.titan_model import build_titan_model
 
     tc = config_from_titan("deepseek_v3/debugmodel", SIGMOID + ["attention.kv_norm.eps=1e-6"])
     cfg, titan = tc.config, tc.titan

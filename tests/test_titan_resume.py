@@ -41,7 +41,7 @@ pytestmark = needs_titan
 
 def _toml(path: Path, layers: int, steps: int) -> Path:
     from jaxmoe.config import config_to_toml
-    from parity.titan_flavors import config_from_titan
+    from jaxmoe.config.titan import config_from_titan
 
     cfg = config_from_titan(FLAVOR, SIGMOID).config
     cfg.model.n_layers = layers
@@ -104,9 +104,9 @@ def test_torchtitan_state_maps_into_jaxmoe(titan_ckpt):
 
     from jaxmoe.config import load_config
     from jaxmoe.model.transformer import abstract_params, declared_groups
-    from jaxmoe.optim import build_optimizer
-    from jaxmoe.port.titan_map import to_titan
-    from jaxmoe.port.titan_resume import open_resume
+    from jaxmoe.port.maps.titan_map import to_titan
+    from jaxmoe.train.optim import build_optimizer
+    from jaxmoe.train.titan_resume import open_resume
 
     toml, step, out = titan_ckpt
     res = open_resume(f"dcp:{step}", str(toml))
@@ -186,10 +186,10 @@ def jaxmoe_run(tmp_path_factory):
 
 def _jaxmoe_state(run: Path, step: int):
     """(cfg, {torchtitan name: param}, {name: exp_avg}, {name: exp_avg_sq}, AdamW count) of a run's checkpoint."""
+    from jaxmoe.checkpoint.orbax_read import LeafSlices, open_array
     from jaxmoe.config import load_config
-    from jaxmoe.port.orbax_read import LeafSlices, open_array
-    from jaxmoe.port.titan_map import to_titan
-    from jaxmoe.port.titan_resume import orbax_adam_prefix
+    from jaxmoe.port.maps.titan_map import to_titan
+    from jaxmoe.port.maps.titan_state import orbax_adam_prefix
     from jaxmoe.trees import unflatten
 
     cfg = load_config(path=run / "config.toml")
@@ -205,7 +205,7 @@ def _jaxmoe_state(run: Path, step: int):
 
 
 def _leaf_keys(cfg):
-    from jaxmoe.port.titan_map import leaf_shapes
+    from jaxmoe.port.maps.titan_map import leaf_shapes
 
     return [(k.split("/", 1)[1], s) for k, s in leaf_shapes(cfg).items() if k.startswith("params/")]
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from jaxmoe.archs import get_arch
 from jaxmoe.config import load_config
+from jaxmoe.config.hf import to_hf_config
 from jaxmoe.errors import UserError
-from jaxmoe.hfconfig import to_hf_config
 from torch_ref.experts import Experts, keep_mask
 from torch_ref.hf_io import load_hf, load_torch, save_hf, save_torch
 from torch_ref.losses import load_balance_loss, router_z_loss, seq_aux_loss, update_expert_bias

@@ -53,7 +53,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-mla", marks=pytest.mark.slow)])  # CI time
 def test_grad_accumulation_equals_full_batch(preset):
     from jaxmoe.model.transformer import Model, init_params
-    from jaxmoe.objective import make_grad_fn
+    from jaxmoe.train.objective import make_grad_fn
 
     # Aux router losses are per micro-batch by definition (not linear in the batch), so the
     # exact-equality claim covers CE + z-loss; they are switched off here, z-loss on.
@@ -151,7 +151,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, capsys):
     skipped = [r["step"] for r in recs if r["skipped"]]
     assert len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3))
     # the last checkpoint predates the bad steps and restores
-    from jaxmoe.checkpoint import Checkpointer
+    from jaxmoe.checkpoint.checkpointer import Checkpointer
 
     assert Checkpointer(out / "checkpoints").latest_step() == skipped[0] - 1
 
@@ -175,7 +175,7 @@ def test_kill_during_async_save_then_resume(tmp_path):
         raise AssertionError("no two checkpoints within 900 s")
     proc.send_signal(signal.SIGKILL)  # most likely mid-save: every step saves
     proc.wait()
-    from jaxmoe.checkpoint import Checkpointer
+    from jaxmoe.checkpoint.checkpointer import Checkpointer
 
     last = Checkpointer(out / "checkpoints").latest_step()
     assert last is not None and last >= 1

@@ -27,8 +27,8 @@ def main(out: str, flavor: str, world: int, rank: int, port: int, mode: str) -> 
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import default_adamw
 
-    from parity.titan_flavors import FAMILIES, parse_name, titan_model_config
-    from parity.titan_side import build_titan_model
+    from jaxmoe.config.titan import FAMILIES, parse_name, titan_model_config
+    from jaxmoe.port.commands.titan_model import build_titan_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -43,9 +43,9 @@ def main(spec_path: str) -> None:
     from torchtitan.distributed import utils as dist_utils
 
     from jaxmoe.config import load_config
+    from jaxmoe.config.titan import config_from_titan
     from jaxmoe.data import make_data
-    from parity.titan_flavors import config_from_titan
-    from parity.titan_side import NoParallelism, build_titan_model
+    from jaxmoe.port.commands.titan_model import NoParallelism, build_titan_model
 
     spec = json.loads(open(spec_path).read())
     torch.set_num_threads(1)

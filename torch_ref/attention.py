@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jaxmoe.schema import ModelConfig
+from jaxmoe.config.schema import ModelConfig
 from torch_ref.layers import Linear, RMSNorm, apply_rope, yarn_mscale
 
 

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from jaxmoe.schema import MoEConfig
+from jaxmoe.config.schema import MoEConfig
 from torch_ref.layers import SwiGLU
 
 

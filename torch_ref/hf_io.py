@@ -23,8 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from jaxmoe.config import Config, ConfigError, config_from_dict
+from jaxmoe.config.hf import from_hf_config, to_hf_config
 from jaxmoe.errors import UserError
-from jaxmoe.hfconfig import from_hf_config, to_hf_config
 from torch_ref.transformer import TorchTransformer
 
 INDEX = "model.safetensors.index.json"
@@ -98,7 +98,7 @@ def _load_into(model: TorchTransformer, files: dict[str, Path], where: str, dtyp
 
 
 def load_hf(directory, dtype: torch.dtype = torch.float32, base: Config | None = None):
-    """``(cfg, model)`` from an HF directory: config.json via :func:`jaxmoe.hfconfig.from_hf_config`
+    """``(cfg, model)`` from an HF directory: config.json via :func:`jaxmoe.config.hf.from_hf_config`
     (fields HF has no key for come from ``base``), weights from safetensors (single or sharded).
 
     Multi-token-prediction layers (``model.layers.{i}`` with ``i >= num_hidden_layers``, present

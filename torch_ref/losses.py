@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from jaxmoe.config import Config
-from jaxmoe.schema import MoEConfig
+from jaxmoe.config.schema import MoEConfig
 
 
 def normalised_scores(scores: torch.Tensor, e: MoEConfig) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jaxmoe.schema import MoEConfig
+from jaxmoe.config.schema import MoEConfig
 
 
 def topk_sorted(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,7 @@ def lr_factor(cfg: Config, step: int) -> float:
           constant: 1
 
     Every decaying schedule reaches ``r`` exactly at ``step = N - 1``. (Same formula as
-    ``jaxmoe.optim.lr_schedule``.)
+    ``jaxmoe.train.optim.lr_schedule``.)
     """
     t = cfg.train
     w, n, r = t.warmup_steps, t.steps, t.min_lr_ratio

@@ -222,7 +222,7 @@ class DataIterator:
         """Continue exactly where ``state`` was taken; refuses a state of different data.
 
         ``{"seek_batch": b}``: a position known only as a batch count (a run continued from
-        another framework's checkpoint, :mod:`jaxmoe.port.titan_resume`): served from batch ``b``
+        another framework's checkpoint, :mod:`jaxmoe.train.titan_resume`): served from batch ``b``
         on, which only a portable pipeline (one flat stream in windows packing) can do."""
         if "seek_batch" in state:
             if not self.portable:

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.config.schema import ModelConfig
 from jaxmoe.model.layers import apply_rope, yarn_softmax_mscale
 from jaxmoe.model.params import Linear, RMSNorm, builds, normal, ones, stack_axes
-from jaxmoe.schema import ModelConfig
 
 KERNELS = ("auto", "dot_product", "explicit")
 

@@ -2,7 +2,7 @@
 
 ``expert_ffn(x, topk_idx, topk_weights, weights, moe_cfg, path=...)`` is the single-device entry
 point: every (token, expert) assignment through that expert's SwiGLU, then the fp32 combine.
-Expert-parallel dispatchers (:mod:`jaxmoe.dispatch`) have the same signature and take its place
+Expert-parallel dispatchers (:mod:`jaxmoe.parallel.expert_dispatch`) have the same signature and take its place
 in :class:`Experts` when the model is placed on a mesh. The
 paths are equal in output and gradients (tests/test_experts.py); :data:`PATHS` is the table of
 implementations, and says for each whether it can run under a mesh (on rows already grouped by
@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.config.schema import ModelConfig, MoEConfig
 from jaxmoe.model.blocked import blocked_path, blocked_swiglu_rows
 from jaxmoe.model.grouped_gemm import grouped_matmul
 from jaxmoe.model.params import ExpertLinear, builds, normal, stack_axes
 from jaxmoe.model.slots import capacity, combine, expert_counts, slot_positions
-from jaxmoe.schema import ModelConfig, MoEConfig
 
 # ---------------------------------------------------------------------------------------------
 # dense: capacity einsums
@@ -200,7 +200,7 @@ class Experts(nnx.Module):
     """The routed experts of one MoE layer: ``gate_proj``/``up_proj [E, D, I]``,
     ``down_proj [E, I, D]``, and the function that runs them, ``dispatch``: :func:`expert_ffn`
     (one device) unless the model was built placed on a mesh, where it is that mesh's
-    expert-parallel dispatcher (:func:`jaxmoe.dispatch.make_dispatch`, same signature). The
+    expert-parallel dispatcher (:func:`jaxmoe.parallel.expert_dispatch.make_dispatch`, same signature). The
     dispatcher is static structure of the module (part of its graphdef), not a call argument:
     ``experts(x, topk_idx, topk_weights)`` is the whole call."""
 

@@ -30,8 +30,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.config.schema import MoEConfig
 from jaxmoe.errors import UserError
-from jaxmoe.schema import MoEConfig
 
 # the choices the config declares (moe.ragged_kernel), implemented below
 KERNELS = typing.get_args(typing.get_type_hints(MoEConfig)["ragged_kernel"])

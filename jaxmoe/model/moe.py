@@ -47,7 +47,7 @@ class MoEBlock(nnx.Module):
         Tokens are flattened row-major to ``T = B*S``. ``routing``: ``logits``, ``scores [T, E]``,
         ``topk_idx``, ``topk_weights [T, k]``, ``counts [E]``, ``dropped`` (scalar).
         ``forced_idx [T, k]`` replays a routing (parity). Built with ``dispatch`` (an
-        expert-parallel dispatcher, :mod:`jaxmoe.dispatch`), the experts run through it instead of
+        expert-parallel dispatcher, :mod:`jaxmoe.parallel.expert_dispatch`), the experts run through it instead of
         the single-device :func:`~jaxmoe.model.experts.expert_ffn`.
         """
         b, s, d = x.shape

@@ -12,8 +12,8 @@ optimised::
   itself (``self.q_proj(x)``, ``self.attn_norm(x)``), so the state path of a weight is the name of
   the layer (``moe/attn/q_proj``), which is the canonical layout of docs/LAYOUT.md;
 * ``axes``: one logical axis name per dim, read by the one rules table in
-  :mod:`jaxmoe.sharding` (stacking layers prepends ``"layers"``, see :func:`stack`);
-* ``group``: the optimizer group (:data:`GROUPS`), read by :mod:`jaxmoe.optim` for Muon/AdamW
+  :mod:`jaxmoe.parallel.sharding` (stacking layers prepends ``"layers"``, see :func:`stack`);
+* ``group``: the optimizer group (:data:`GROUPS`), read by :mod:`jaxmoe.train.optim` for Muon/AdamW
   routing and the weight-decay mask. Each type has a default group.
 
 * ``init``: the initialiser (:func:`normal`, :func:`ones`, :func:`zeros`).

@@ -25,8 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.config.schema import MoEConfig
 from jaxmoe.model.params import Weight
-from jaxmoe.schema import MoEConfig
 
 
 class RouterOut(NamedTuple):

@@ -1,6 +1,6 @@
 """Token slots: capacity, queue positions, counts and the fp32 combine -- the one definition that
 every expert compute path (:mod:`jaxmoe.model.experts`) and every dispatcher
-(:mod:`jaxmoe.dispatch`) uses.
+(:mod:`jaxmoe.parallel.expert_dispatch`) uses.
 
 Dropping rule (docs/LAYOUT.md "Dropping"): an expert's slots are filled in (choice rank, token
 index) order -- every token's first choice before any second choice, earlier tokens first within

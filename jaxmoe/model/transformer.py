@@ -27,7 +27,7 @@ output, MoE block input and output -- go to ``pinned_host``; the rest is recompu
 ``aux`` is the routing record per MoE layer (stacked ``[Lm, ...]``): ``router`` (``logits``,
 ``scores [Lm, T, E]``, ``topk_idx``, ``topk_weights [Lm, T, k]``), ``counts [Lm, E]``,
 ``dropped [Lm]``, and with ``return_probes`` the ``probes`` of every stage in forward order.
-Losses are computed from it outside the model (:mod:`jaxmoe.losses`).
+Losses are computed from it outside the model (:mod:`jaxmoe.train.losses`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmoe.autoconf import resolve_auto
 from jaxmoe.config import Config
+from jaxmoe.config.autoconf import resolve_auto
 from jaxmoe.model.attention import make_attention
 from jaxmoe.model.layers import rope_tables
 from jaxmoe.model.mlp import SwiGLU
@@ -168,13 +168,13 @@ def _scan_layers(layers: nnx.Module, x, forced_idx, mode, unroll, return_probes,
 class Transformer(nnx.Module):
     """The MoE language model of ``cfg`` (see the module doc). ``dispatch``: the expert-parallel
     dispatcher of the mesh the model is placed on (``MeshContext.dispatch``,
-    :func:`jaxmoe.dispatch.make_dispatch`); None runs the experts on one device. It is bound into
+    :func:`jaxmoe.parallel.expert_dispatch.make_dispatch`); None runs the experts on one device. It is bound into
     the MoE layers' :class:`~jaxmoe.model.experts.Experts` here, so ``model(tokens)`` is the
     whole call."""
 
     @builds
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs, dispatch: Callable | None = None):
-        cfg = resolve_auto(cfg)  # `auto` fields -> this backend's values (jaxmoe.autoconf)
+        cfg = resolve_auto(cfg)  # `auto` fields -> this backend's values (jaxmoe.config.autoconf)
         m = cfg.model
         self.cfg = cfg
         self.embed = Embedding.declare((m.vocab_size, m.d_model), ("vocab", "embed"), normal(m.init_std))
@@ -391,7 +391,7 @@ def model_declarations(cfg: Config) -> dict[str, Decl]:
 
 
 def declared_groups(cfg: Config) -> dict:
-    """The optimizer group of every parameter, nested like ``params`` (for jaxmoe.optim)."""
+    """The optimizer group of every parameter, nested like ``params`` (for jaxmoe.train.optim)."""
     return unflatten({k: d.group for k, d in model_declarations(cfg).items() if d.trained})
 
 

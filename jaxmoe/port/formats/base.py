@@ -7,11 +7,11 @@ syntax adds, e.g. ``orbax:DIR@STEP``), whose format is a row of the table in
 this protocol:
 
 * a :class:`Source` gives jaxmoe leaves (canonical names ``params/...`` / ``buffers/...``, see
-  :mod:`jaxmoe.port.hf_map`) one at a time with their shapes and dtypes, the model config, and
+  :mod:`jaxmoe.port.maps.hf_map`) one at a time with their shapes and dtypes, the model config, and
   what a format may carry besides weights (HF non-weight files, the files a content fingerprint
   covers, files PyTorch loaders read as they are);
 * a :class:`Sink` takes leaves one at a time and completes the checkpoint in a temporary folder;
-  :func:`jaxmoe.port.convert.convert` renames it into place, so a destination is either complete
+  :func:`jaxmoe.port.commands.convert.convert` renames it into place, so a destination is either complete
   or untouched;
 * a :class:`Format` class names the scheme, its syntax and help, its :class:`Option` flags and
   its capabilities (``can_write``, ``verify_frameworks``, ``default_dtype``), and opens the two.
@@ -68,7 +68,7 @@ class Option:
 
 
 #: the model of a checkpoint that holds no config (``dcp:``; an ``hf:`` folder without
-#: config.json, as torchtitan's HF export writes): :func:`jaxmoe.config_cli.named_config`
+#: config.json, as torchtitan's HF export writes): :func:`jaxmoe.config.named_config`
 TITAN_OPTION = Option(
     "titan", "--titan", "source",
     help="the model of a dcp: checkpoint (which holds no config) or of an hf: folder without "
@@ -140,7 +140,7 @@ class Source:
     @property
     def meta_dir(self) -> Path | None:
         """Where the checkpoint keeps non-weight HF files (tokenizer, generation config, the
-        original config.json; see :mod:`jaxmoe.port.hf_meta`), or None."""
+        original config.json; see :mod:`jaxmoe.port.io.hf_meta`), or None."""
         return None
 
     def content_files(self) -> list[Path]:
@@ -167,16 +167,16 @@ class Source:
         :attr:`raw_names` naming, when the leaf is exactly those tensors unchanged (no cast,
         no dequantisation); None otherwise. A sink with the same naming that stores the same
         bytes, or one of another naming whose tensors carry their leaf ``index`` too, then gets
-        them copied file to file (:func:`jaxmoe.port.convert.raw_copies`)."""
+        them copied file to file (:func:`jaxmoe.port.commands.convert.raw_copies`)."""
         return None
 
     _ahead = None  # the source's ReadAhead, made on first use (read_ahead)
 
     def read_ahead(self):
-        """The :class:`~jaxmoe.port.direct_io.ReadAhead` a lazy leaf view reads its blocks of
+        """The :class:`~jaxmoe.storage.direct_io.ReadAhead` a lazy leaf view reads its blocks of
         expert rows with (one per source, shared by its views; closed by :meth:`close`)."""
         if self._ahead is None:
-            from jaxmoe.port.direct_io import ReadAhead
+            from jaxmoe.storage.direct_io import ReadAhead
 
             self._ahead = ReadAhead()
         return self._ahead
@@ -202,7 +202,7 @@ class RawTensor:
     ``index`` (when known) is the tensor's place in its jaxmoe leaf -- it is ``leaf[index]``,
     with its last two dims swapped when ``transpose`` -- so tensors of two namings can still be
     matched byte range to byte range (``hf:`` per-expert ``[F, D]`` tensors are the rows of a
-    torchtitan ``[E, F, D]`` one): :func:`jaxmoe.port.convert.raw_copies`."""
+    torchtitan ``[E, F, D]`` one): :func:`jaxmoe.port.commands.convert.raw_copies`."""
 
     file: Path
     offset: int

@@ -2,21 +2,21 @@
 read and written.
 
 torchtitan's ``CheckpointManager`` saves the model's tensors flat under their native names (mapped
-to jaxmoe leaves by the one table, :mod:`jaxmoe.port.titan_map`) and, in a full checkpoint,
+to jaxmoe leaves by the one table, :mod:`jaxmoe.port.maps.titan_map`) and, in a full checkpoint,
 ``optimizer.*``, ``lr_scheduler.*``, ``dataloader`` and ``train_state.*`` beside them (recognised
 and skipped for weights). A checkpoint holds no model config: the ``--titan`` option names it, a
 torchtitan ``FAMILY/FLAVOR`` (e.g. ``deepseek_v3/debugmodel``) or a jaxmoe preset / config
-``.toml``. The step directory is read by :mod:`jaxmoe.port.dcp_io`, which runs no code from it.
+``.toml``. The step directory is read by :mod:`jaxmoe.port.io.dcp_io`, which runs no code from it.
 
 Tensors are read one at a time: a leaf is assembled from its torchtitan tensors, each from its
 chunks, so memory holds about one tensor plus the leaf being filled.
 
 Writing (:class:`DcpSink`; torch only for ``--with-optimizer``'s plain items: tensors are laid out
-by :mod:`jaxmoe.port.torch_save`, ``.metadata`` by :mod:`jaxmoe.port.dcp_meta`) produces the model-only step
+by :mod:`jaxmoe.port.io.torch_save`, ``.metadata`` by :mod:`jaxmoe.port.io.dcp_meta`) produces the model-only step
 torchtitan's ``CheckpointManager`` loads (``checkpoint.initial_load_path`` with
 ``initial_load_model_only``) and ``torch.distributed.checkpoint.load`` restores into the flavor's
 state dict: one ``__0_0.distcp`` holding each torchtitan tensor as the bytes ``torch.save`` writes
-(what DCP's ``FileSystemWriter`` writes; laid out by :class:`jaxmoe.port.torch_save.TensorZip`,
+(what DCP's ``FileSystemWriter`` writes; laid out by :class:`jaxmoe.port.io.torch_save.TensorZip`,
 not by ``torch.save``), written as its leaf arrives, then ``.metadata`` pickled from DCP's own
 metadata classes. Where a leaf's tensors lie as the same plain bytes in the source (``hf:`` /
 ``torch:`` per-expert tensors inside a torchtitan ``[E, F, D]`` tensor, a ``dcp:`` source's
@@ -28,7 +28,7 @@ fills in each zip's CRC-32 and closing records. A config without an expert bias 
 
 With ``--with-optimizer`` (a jaxmoe run's checkpoint as the source, AdamW with decay on every
 parameter) the step also holds the full training state torchtitan's ``CheckpointManager.load``
-restores (layout and mapping: :mod:`jaxmoe.port.titan_resume`): ``optimizer.state.<fqn>.{exp_avg,
+restores (layout and mapping: :mod:`jaxmoe.port.maps.titan_state`): ``optimizer.state.<fqn>.{exp_avg,
 exp_avg_sq, step}``, ``optimizer.param_groups.<fqn>.*`` (torchtitan's default AdamW group with the
 run's lr, betas, eps and weight decay; ``lr`` the schedule's next value), ``lr_scheduler.last_epoch``,
 ``train_state.{step, ntokens_seen}`` and ``dataloader`` = None -- what a torchtitan save without a
@@ -46,18 +46,18 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmoe.config import Config
-from jaxmoe.config_cli import named_config
+from jaxmoe.config import Config, named_config
 from jaxmoe.errors import UserError
-from jaxmoe.port import direct_io, page_cache, titan_map
-from jaxmoe.port.dcp_io import DTYPES, TRAINING_STATE, DcpDir
-from jaxmoe.port.dcp_meta import metadata_bytes
-from jaxmoe.port.direct_io import DirectWriter
-from jaxmoe.port.file_copy import crc32_of
 from jaxmoe.port.formats.base import TITAN_OPTION, Endpoint, Format, Option, RawTensor, Sink, Source, shape_text
-from jaxmoe.port.page_cache import pwrite_all
-from jaxmoe.port.torch_save import TensorZip, crc32_combine
-from jaxmoe.port.transpose import transpose_into, transposed
+from jaxmoe.port.io.dcp_io import DTYPES, TRAINING_STATE, DcpDir
+from jaxmoe.port.io.dcp_meta import metadata_bytes
+from jaxmoe.port.io.torch_save import TensorZip, crc32_combine
+from jaxmoe.port.io.transpose import transpose_into, transposed
+from jaxmoe.port.maps import titan_map
+from jaxmoe.storage import direct_io, page_cache
+from jaxmoe.storage.direct_io import DirectWriter
+from jaxmoe.storage.file_copy import crc32_of
+from jaxmoe.storage.page_cache import pwrite_all
 
 # --------------------------------------------------------------------------------------------
 # The source
@@ -251,7 +251,7 @@ class LeafView:
 
     def _row(self, ent, row: int) -> np.ndarray:
         """Row ``row`` (an expert) of ``ent``'s tensor (one plain chunk), from a block of rows
-        read with O_DIRECT around the page cache (:class:`~jaxmoe.port.direct_io.ReadAhead`):
+        read with O_DIRECT around the page cache (:class:`~jaxmoe.storage.direct_io.ReadAhead`):
         the disk reads the next block (the next rows, or the next layer's first) meanwhile."""
         t = self._map(ent.name)
         per = max(1, direct_io.BLOCK // max(1, t[0].nbytes))
@@ -305,7 +305,7 @@ class DcpSink(Sink):
         state torchtitan's one AdamW group can express (one line otherwise, before any write)."""
         if not self.with_optimizer:
             return
-        from jaxmoe.port.titan_resume import orbax_adam_prefix
+        from jaxmoe.port.maps.titan_state import orbax_adam_prefix
 
         what = f"--with-optimizer: {source.ep}"
         state_dir = getattr(source, "state_dir", None)
@@ -324,10 +324,17 @@ class DcpSink(Sink):
 
     def _write_optimizer(self) -> None:
         """AdamW's moments and count per parameter, its param group, the scheduler position and
-        the train state, as torchtitan's CheckpointManager saves them (jaxmoe.port.titan_resume)."""
-        from jaxmoe.optim import lr_schedule  # late: jax
-        from jaxmoe.port.orbax_read import LeafSlices, open_array
-        from jaxmoe.port.titan_resume import GROUP_FIELDS, MOMENTS, OPT_STATE, PARAM_GROUPS, grouped, optimizer_entries
+        the train state, as torchtitan's CheckpointManager saves them (jaxmoe.port.maps.titan_state)."""
+        from jaxmoe.checkpoint.orbax_read import LeafSlices, open_array
+        from jaxmoe.config.schedule import lr_schedule
+        from jaxmoe.port.maps.titan_state import (
+            GROUP_FIELDS,
+            MOMENTS,
+            OPT_STATE,
+            PARAM_GROUPS,
+            grouped,
+            optimizer_entries,
+        )
 
         src, t = self.source, self.source.cfg.train
 
@@ -460,7 +467,7 @@ class DcpFormat(Format):
             "files, full or model-only; the model config from --titan)")
     options = (TITAN_OPTION, WITH_OPTIMIZER)
     hf_arch_only = False  # torchtitan's own layout: any model titan_map maps
-    # --verify runs torchtitan's own model of the --titan flavor (jaxmoe.port.verify_titan);
+    # --verify runs torchtitan's own model of the --titan flavor (jaxmoe.port.commands.verify_titan);
     # jaxmoe where torchtitan has no model of the config (a jaxmoe preset / .toml)
     verify_frameworks = ("titan", "jax")
     output_what = "a DCP step directory (.metadata)"

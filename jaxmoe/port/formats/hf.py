@@ -2,7 +2,7 @@
 
 ``hf:DIR`` is ``config.json`` + ``model.safetensors`` or sharded ``model-*-of-*.safetensors`` with
 ``model.safetensors.index.json``, under the hub tensor names of the config's architecture (see
-:mod:`jaxmoe.port.hf_map`), in either HF expert layout (per expert or fused, detected per layer on
+:mod:`jaxmoe.port.maps.hf_map`), in either HF expert layout (per expert or fused, detected per layer on
 reading, ``--hf-layout`` on writing). FP8 weights (``weight_scale_inv``) are dequantised on
 reading; multi-token-prediction layers are skipped with a note.
 
@@ -20,11 +20,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxmoe.archs.base import LAYOUTS
-from jaxmoe.config import Config
-from jaxmoe.config_cli import named_config
+from jaxmoe.config import Config, named_config
+from jaxmoe.config.hf import from_hf_config, to_hf_config
 from jaxmoe.errors import UserError
-from jaxmoe.hfconfig import from_hf_config, to_hf_config
-from jaxmoe.port import direct_io, hf_map
 from jaxmoe.port.formats.base import (
     TITAN_OPTION,
     Endpoint,
@@ -35,15 +33,17 @@ from jaxmoe.port.formats.base import (
     Source,
     shape_text,
 )
-from jaxmoe.port.hf_meta import merge_into_hf_dir
-from jaxmoe.port.safetensors_io import (
+from jaxmoe.port.io.hf_meta import merge_into_hf_dir
+from jaxmoe.port.io.safetensors_io import (
     WRITES_IN_FLIGHT,
     PartWriter,
     SafetensorsReader,
     dequantize_fp8,
     parse_size,
 )
-from jaxmoe.port.transpose import transpose_into, transposed
+from jaxmoe.port.io.transpose import transpose_into, transposed
+from jaxmoe.port.maps import hf_map
+from jaxmoe.storage import direct_io
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -161,8 +161,8 @@ class HfTensorSource(Source):
             out = np.empty(self.shapes[key], dtype or self.leaf_dtype(key))
             release = None
         else:
-            # late: jaxmoe.checkpoint imports jax and Orbax, which hf:/torch: sources never need
-            from jaxmoe.checkpoint import release_pages as release
+            # late: jaxmoe.checkpoint.checkpointer imports jax and Orbax, which hf:/torch: sources never need
+            from jaxmoe.checkpoint.checkpointer import release_pages as release
         for ent in self.groups[key]:
             self._read_entry(ent, out)
             if release is not None:

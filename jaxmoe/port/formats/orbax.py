@@ -1,10 +1,10 @@
 """The ``orbax:RUN_DIR[@STEP]`` format: a jaxmoe run dir's Orbax checkpoint, read and written.
 
-A run dir is :mod:`jaxmoe.checkpoint`'s layout: ``config.toml`` + ``checkpoints/<step>/state``,
+A run dir is :mod:`jaxmoe.checkpoint.checkpointer`'s layout: ``config.toml`` + ``checkpoints/<step>/state``,
 which holds the ``{"params", "buffers", ...}`` pytree. Reading takes the latest committed step, or
 ``@STEP``; only ``params`` and ``buffers`` are read, so training checkpoints (with optimizer
 state) convert too. Writing makes a fresh run dir with the checkpoint at step 0, and keeps an HF
-source's non-weight files in ``RUN_DIR/hf_meta/`` (:mod:`jaxmoe.port.hf_meta`).
+source's non-weight files in ``RUN_DIR/hf_meta/`` (:mod:`jaxmoe.port.io.hf_meta`).
 """
 
 from __future__ import annotations
@@ -14,19 +14,20 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmoe.checkpoint.run_dir import RunDir
 from jaxmoe.config import Config, load_config
 from jaxmoe.errors import UserError
-from jaxmoe.port import direct_io, hf_map, page_cache
 from jaxmoe.port.formats.base import Endpoint, Format, Sink, Source, shape_text
-from jaxmoe.port.hf_meta import HF_META_DIR, keep_in_run_dir
-from jaxmoe.port.transpose import transpose_into
-from jaxmoe.run_dir import RunDir
+from jaxmoe.port.io.hf_meta import HF_META_DIR, keep_in_run_dir
+from jaxmoe.port.io.transpose import transpose_into
+from jaxmoe.port.maps import hf_map
+from jaxmoe.storage import direct_io, page_cache
 
 
 def leaf_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Every leaf of ``cfg``'s model (``params/...`` trained, ``buffers/...``) with its shape,
     from the model's own declarations: a run dir holds any model jaxmoe trains, also one no HF
-    architecture expresses (same leaves as :func:`jaxmoe.port.hf_map.leaf_shapes` where one does)."""
+    architecture expresses (same leaves as :func:`jaxmoe.port.maps.hf_map.leaf_shapes` where one does)."""
     from jaxmoe.model.transformer import model_declarations  # late: jax
 
     return {("params/" if d.trained else "buffers/") + k: tuple(d.shape)
@@ -44,7 +45,7 @@ class OrbaxSource(Source):
     def __init__(self, ep: Endpoint):
         import orbax.checkpoint as ocp
 
-        from jaxmoe.checkpoint import Checkpointer
+        from jaxmoe.checkpoint.checkpointer import Checkpointer
 
         self.ep = ep
         self.notices: list[str] = []
@@ -118,9 +119,9 @@ class OrbaxSource(Source):
         return arr
 
     def leaf_view(self, key: str, dtype=None):
-        """The leaf as a :class:`~jaxmoe.port.orbax_read.LeafSlices`: ``view[index]`` reads one
+        """The leaf as a :class:`~jaxmoe.checkpoint.orbax_read.LeafSlices`: ``view[index]`` reads one
         layer's / expert's slice (one Zarr chunk at a time) instead of the whole leaf."""
-        from jaxmoe.port.orbax_read import LeafSlices, open_array
+        from jaxmoe.checkpoint.orbax_read import LeafSlices, open_array
 
         try:
             return LeafSlices(open_array(self.state_dir, key), dtype or self.leaf_dtype(key),
@@ -213,7 +214,7 @@ class ViewFiller:
     @staticmethod
     def _copy(out: np.ndarray, part) -> None:
         """``out[...] = part``; a map of the source's file is read around the page cache
-        (:func:`~jaxmoe.port.direct_io.read_view`), or, where it cannot be, through the map and
+        (:func:`~jaxmoe.storage.direct_io.read_view`), or, where it cannot be, through the map and
         its pages dropped once used."""
         got = direct_io.read_view(part)
         copy_into(out, got)
@@ -231,19 +232,19 @@ class OrbaxSink(Sink):
     Orbax writes a pytree in one save, so every leaf must exist at once. The sink takes the
     source's lazy views (:attr:`takes_views`: ``hf:`` / ``dcp:`` / ``orbax:`` sources read one
     layer's or expert's slice at a time) and keeps, per leaf, only a
-    :class:`jaxmoe.checkpoint_stream.StreamLeaf` over it; at :meth:`finish` one
-    :func:`jaxmoe.checkpoint.save_model` ``(stream=True)`` call writes the leaves one after
-    another, one Zarr chunk (:data:`~jaxmoe.checkpoint.STREAM_CHUNK_BYTES`) at a time, each chunk
+    :class:`jaxmoe.checkpoint.stream.StreamLeaf` over it; at :meth:`finish` one
+    :func:`jaxmoe.checkpoint.checkpointer.save_model` ``(stream=True)`` call writes the leaves one after
+    another, one Zarr chunk (:data:`~jaxmoe.checkpoint.checkpointer.STREAM_CHUNK_BYTES`) at a time, each chunk
     filled straight from the source (:class:`ViewFiller`; transposed slices copied in tiles).
     Each byte is read once and written once, and memory holds a source block and a few chunks.
-    (The source stays open until after :meth:`finish`, see :func:`jaxmoe.port.convert.convert`.)
+    (The source stays open until after :meth:`finish`, see :func:`jaxmoe.port.commands.convert.convert`.)
 
     A leaf that arrives as a whole in-memory array (a global ``hf:`` leaf, a fused HF layout,
     FP8) is *spilled*: copied into a raw ``np.memmap`` file under ``leaves/`` next to ``target``
     (in the conversion's temporary folder, removed afterwards) and its pages dropped, so it is
     not held in memory until the save. The checkpoint is the one ``save_model`` writes for
     in-memory leaves, up to the Zarr chunk shapes of leaves over the chunk size, which
-    :func:`jaxmoe.checkpoint.load_model` and ``Checkpointer.restore`` read as usual.
+    :func:`jaxmoe.checkpoint.checkpointer.load_model` and ``Checkpointer.restore`` read as usual.
 
     Before anything is written the sink says how much disk it needs: the checkpoint, plus, when
     some leaves may spill, a scratch copy of those (counted as the whole model: which leaves
@@ -308,7 +309,7 @@ class OrbaxSink(Sink):
         return np.memmap(path, dtype=arr.dtype, mode="r", shape=arr.shape)
 
     def write_leaf(self, key: str, arr) -> None:
-        from jaxmoe.checkpoint import StreamLeaf  # late: jax, Orbax
+        from jaxmoe.checkpoint.checkpointer import StreamLeaf  # late: jax, Orbax
 
         if not self._checked:  # a caller that skipped use_source
             self._check_disk(self.shapes, self.dtypes, self._where, self._log)
@@ -322,7 +323,7 @@ class OrbaxSink(Sink):
         self.leaves[key] = StreamLeaf(arr.shape, dtype, fill, fill.release)
 
     def finish(self) -> None:
-        from jaxmoe import checkpoint
+        from jaxmoe.checkpoint import checkpointer as checkpoint
 
         tree = hf_map.unflatten(self.leaves)
         self.leaves = {}

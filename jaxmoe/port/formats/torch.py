@@ -14,7 +14,7 @@ from jaxmoe.config import Config, config_from_dict, validate
 from jaxmoe.errors import UserError
 from jaxmoe.port.formats.base import Endpoint, Format
 from jaxmoe.port.formats.hf import HfTensorSink, HfTensorSource
-from jaxmoe.port.safetensors_io import WRITES_IN_FLIGHT, PartWriter, SafetensorsReader
+from jaxmoe.port.io.safetensors_io import WRITES_IN_FLIGHT, PartWriter, SafetensorsReader
 
 TORCH_CONFIG_KEY = "jaxmoe_config"
 

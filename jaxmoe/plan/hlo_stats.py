@@ -1,0 +1,144 @@
+"""Collectives in a compiled (SPMD-partitioned) HLO module: how many, how many bytes.
+
+:func:`count_collectives` reads the text of a *compiled* module (``jitted.lower(...).compile()
+.as_text()``: after SPMD partitioning, so shapes are per device) and counts each collective op:
+``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``, ``ragged-all-to-all``,
+``collective-permute``, ``collective-broadcast`` (an asynchronous pair ``*-start``/``*-done``
+counts once, under the op's plain name). The bytes of one op are the larger of its operands' and
+its result's array bytes per device (all-gather: the gathered result; reduce-scatter: the input;
+all-reduce, all-to-all, permute: the buffer exchanged). Ops inside loop bodies count once (static
+count, not trip count).
+
+:func:`optimizer_update_collectives` compiles the optimizer update of a config on a concrete
+mesh for the expert and the dense parameter groups separately and counts each: the figure the
+planner reports (``optimizer_update_collectives``) and the FlexShard tests check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmoe.model.transformer import abstract_params, declared_groups
+from jaxmoe.parallel.sharding import declared_axes_flat, expert_axes_of, matched_specs, param_specs
+from jaxmoe.train.optim import build_optimizer
+from jaxmoe.trees import flatten, unflatten
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+# "%name = SHAPE opcode(operands), attrs"  (ROOT optional; SHAPE may be a tuple)
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+
+
+def _bytes(shape_text: str) -> list[int]:
+    """Bytes of each array in a (possibly tuple) HLO shape string."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        out.append(n * _DTYPE_BYTES[dtype])
+    return out
+
+
+def _operands(args: str) -> list[str]:
+    """Operand names of an instruction (the text up to the closing parenthesis)."""
+    depth, end = 1, len(args)
+    for i, ch in enumerate(args):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                end = i
+                break
+    return re.findall(r"%([\w.\-]+)", args[:end])
+
+
+def count_collectives(hlo_text: str) -> dict:
+    """``{op: {"count": n, "bytes": b}}`` for the collectives of a compiled HLO module's text
+    (see the module doc); ops that do not occur are absent (``{}``: no collectives)."""
+    shapes: dict[str, int] = {}
+    found = []
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op, args = m.groups()
+        sizes = _bytes(shape)
+        shapes[name] = sum(sizes)
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        if base in COLLECTIVES:
+            found.append((base, op != base, sizes, _operands(args)))
+    out: dict = {}
+    for base, is_async, sizes, operands in found:
+        # async *-start results are tuples holding the operands and the results: take the largest
+        result = max(sizes, default=0) if is_async else sum(sizes)
+        operand = sum(shapes.get(o, 0) for o in operands)
+        rec = out.setdefault(base, {"count": 0, "bytes": 0})
+        rec["count"] += 1
+        rec["bytes"] += max(result, operand)
+    return out
+
+
+def total(stats: dict) -> tuple[int, int]:
+    """``(ops, bytes)`` summed over a :func:`count_collectives` result."""
+    return (sum(v["count"] for v in stats.values()), sum(v["bytes"] for v in stats.values()))
+
+
+def _is_expert(axes) -> bool:
+    return "experts" in tuple(axes or ())
+
+
+def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
+    """Compile ``cfg``'s optimizer update (``cfg.train.optimizer``, ``cfg.train.muon_placement``)
+    on the concrete ``mesh`` (a ``jax.sharding.Mesh`` with jaxmoe's axis names), parameters and
+    optimizer state placed by the rules table, once for the expert parameters (declared with an
+    ``experts`` axis) and once for the rest (dense), and count the collectives of each compiled
+    module. Returns ``{"expert": {op: {"count", "bytes"}}, "dense": {...}, "module": str}``.
+
+    ``specs``: the params' PartitionSpecs (a pytree like the params) to use instead of the rules
+    table's. Global-norm clipping is left out (it adds one scalar all-reduce per group whatever the
+    placement); everything else is the optimizer the train step runs."""
+    sizes = {a: int(mesh.shape.get(a, 1)) for a in mesh.axis_names}
+    tcfg = dataclasses.replace(cfg.train, grad_clip=0.0)
+    params, _ = abstract_params(cfg)
+    groups = declared_groups(cfg)
+    axes = declared_axes_flat(cfg)
+    pspecs = (param_specs(params, axes, sizes, None, expert_axes_of(cfg.mesh.expert_axes))
+              if specs is None else specs)
+    flat_p = flatten(params)
+    out = {"module": (f"optimizer update ({tcfg.optimizer}, muon_placement={tcfg.muon_placement}, "
+                      "no clipping) compiled (SPMD-partitioned) on the mesh "
+                      + ",".join(f"{a}={s}" for a, s in sizes.items() if s > 1) + f" of {mesh.size} "
+                      f"{mesh.devices.flat[0].platform} devices")}
+    for kind in ("expert", "dense"):
+        keep = {p for p in flat_p if _is_expert(axes.get(p)) == (kind == "expert")}
+        if not keep:
+            out[kind] = {}
+            continue
+        sub_p = unflatten({p: v for p, v in flat_p.items() if p in keep})
+        sub_g = unflatten({p: v for p, v in flatten(groups).items() if p in keep})
+        sub_s = unflatten({p: v for p, v in flatten(pspecs).items() if p in keep})
+        shard = jax.tree.map(lambda s: NamedSharding(mesh, s), sub_s, is_leaf=lambda x: isinstance(x, P))
+        tx = build_optimizer(tcfg, sub_p, sub_g, shard)
+        state = jax.eval_shape(tx.init, sub_p)
+        s_specs = matched_specs(state, sub_p, sub_s)
+        s_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), s_specs, is_leaf=lambda x: isinstance(x, P))
+        fn = jax.jit(tx.update, in_shardings=(shard, s_shard, shard), out_shardings=(shard, s_shard))
+        text = fn.lower(sub_p, state, sub_p).compile().as_text()
+        out[kind] = count_collectives(text)
+    return out
+
+
+__all__ = ["COLLECTIVES", "count_collectives", "optimizer_update_collectives", "total"]
