@@ -36,7 +36,7 @@ from jaxmoe.train.step import init_state, make_train_step
 preset, layers, dense = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = load_config(preset, overrides=[f"model.n_layers={layers}", f"model.first_k_dense={dense}"])
 params, buffers = abstract_params(cfg)
-tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
 state = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
 b, s = cfg.train.batch_size, cfg.train.seq_len
 batch = {"inputs": jax.ShapeDtypeStruct((b, s), jax.numpy.int32),

@@ -230,6 +230,34 @@ def same_hf(a: Path, b: Path) -> bool:
     return all(np.array_equal(ra.get(n), rb.get(n)) for n in ra.names())
 
 
+def _routes(work: Path, has_torch: bool) -> list:
+    """The routes timed: (name, source path, argv, output, kept for a later route)."""
+    import importlib.util
+
+    titan = ["--titan", f"{work}/model.toml"]
+    steps = [("hf -> torch", "hf", ["--from", f"hf:{work}/hf", "--to", f"torch:{work}/m.safetensors"],
+              "m.safetensors"),
+             ("torch -> hf (1GB shards)", "m.safetensors",
+              ["--from", f"torch:{work}/m.safetensors", "--to", f"hf:{work}/hf2",
+               "--shard-size", "1GB"], "hf2"),
+             ("hf -> orbax", "hf", ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run"], "run"),
+             ("orbax -> hf", "run", ["--from", f"orbax:{work}/run", "--to", f"hf:{work}/hf3"],
+              "hf3")]
+    # dcp: routes need no torch (jaxmoe.port.io.torch_save, jaxmoe.port.io.dcp_meta)
+    steps += [("hf -> dcp", "hf", ["--from", f"hf:{work}/hf", "--to", f"dcp:{work}/dcp"], "dcp"),
+              ("dcp -> hf", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
+                                    f"hf:{work}/hf4"], "hf4"),
+              ("dcp -> orbax", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
+                                       f"orbax:{work}/run4"], "run4"),
+              ("orbax -> dcp", "run", ["--from", f"orbax:{work}/run", "--to",
+                                       f"dcp:{work}/dcp2"], "dcp2")]
+    if has_torch and importlib.util.find_spec("transformers"):
+        steps.append(("hf -> orbax --verify-layers 1", "hf",
+                      ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run2", "--verify",
+                       "--verify-layers", "1"], "run2"))
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=2.0, help="approximate checkpoint size (fp32)")
@@ -290,28 +318,7 @@ def main() -> None:
         from jaxmoe.config import config_to_toml
 
         (work / "model.toml").write_text(config_to_toml(cfg))
-        titan = ["--titan", f"{work}/model.toml"]
-        # (name, source path, argv, output, kept for a later route)
-        steps = [("hf -> torch", "hf", ["--from", f"hf:{work}/hf", "--to", f"torch:{work}/m.safetensors"],
-                  "m.safetensors"),
-                 ("torch -> hf (1GB shards)", "m.safetensors",
-                  ["--from", f"torch:{work}/m.safetensors", "--to", f"hf:{work}/hf2",
-                   "--shard-size", "1GB"], "hf2"),
-                 ("hf -> orbax", "hf", ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run"], "run"),
-                 ("orbax -> hf", "run", ["--from", f"orbax:{work}/run", "--to", f"hf:{work}/hf3"],
-                  "hf3")]
-        # dcp: routes need no torch (jaxmoe.port.io.torch_save, jaxmoe.port.io.dcp_meta)
-        steps += [("hf -> dcp", "hf", ["--from", f"hf:{work}/hf", "--to", f"dcp:{work}/dcp"], "dcp"),
-                  ("dcp -> hf", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
-                                        f"hf:{work}/hf4"], "hf4"),
-                  ("dcp -> orbax", "dcp", ["--from", f"dcp:{work}/dcp", *titan, "--to",
-                                           f"orbax:{work}/run4"], "run4"),
-                  ("orbax -> dcp", "run", ["--from", f"orbax:{work}/run", "--to",
-                                           f"dcp:{work}/dcp2"], "dcp2")]
-        if has_torch and importlib.util.find_spec("transformers"):
-            steps.append(("hf -> orbax --verify-layers 1", "hf",
-                          ["--from", f"hf:{work}/hf", "--to", f"orbax:{work}/run2", "--verify",
-                           "--verify-layers", "1"], "run2"))
+        steps = _routes(work, has_torch)
         if args.only:
             steps = [s for s in steps if any(s[0].startswith(o) for o in args.only)]
         print(f"{'route':30s} {'seconds':>8s} {'(fsync)':>8s} {'MB/s':>6s} {'x disk':>7s} {'x copy':>7s} "

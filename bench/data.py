@@ -32,7 +32,7 @@ import train_step as ts  # the bench shapes and the step timing
 
 
 def write_files(d: Path, n_tokens: int) -> dict:
-    """{format: (train.data spec, extra --set overrides)} for the files written under ``d``."""
+    """{format: (data.source spec, extra --set overrides)} for the files written under ``d``."""
     rng = np.random.default_rng(0)
     docs, total = [], 0
     while total < n_tokens:
@@ -47,8 +47,8 @@ def write_files(d: Path, n_tokens: int) -> dict:
     from jaxmoe.data.tokenize import train_tokenizer
 
     train_tokenizer([str(d / "text.jsonl")], 1024).save(str(d / "tok.json"))
-    out = {"tokens": (f"tokens:{d}/tokens.bin", ["train.doc_sep_id=0"]),
-           "text": (f"text:{d}/text.jsonl", [f"train.tokenizer={d}/tok.json"])}
+    out = {"tokens": (f"tokens:{d}/tokens.bin", ["data.doc_sep_id=0"]),
+           "text": (f"text:{d}/text.jsonl", [f"data.tokenizer={d}/tok.json"])}
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -77,8 +77,8 @@ def write_files(d: Path, n_tokens: int) -> dict:
 def pipeline_tokens_per_s(shape: str, spec: str, sets, packing: str, workers: int, batches: int):
     from jaxmoe.data import make_data
 
-    cfg = ts.jax_config(shape, [f"train.data={spec}", f"train.packing={packing}",
-                                f"train.data_workers={workers}", *sets])
+    cfg = ts.jax_config(shape, [f"data.source={spec}", f"data.packing={packing}",
+                                f"data.workers={workers}", *sets])
     src = make_data(cfg)
     try:
         for _ in range(2):

@@ -151,6 +151,65 @@ def ideal_batched_ffn(n_experts: int):
     return f
 
 
+def _results(args, host_alloc, fwd_flops, paths, ideals, secs, ref) -> dict:
+    """The figures of every path from its timings and the matmul timed beside it."""
+    d, i_dim, e, k = SHAPES[args.shape]
+    t = args.tokens
+    mm = secs["matmul"]
+    out = {
+        "shapes": {"name": args.shape, "tokens": t, "d_model": d, "expert_ffn_dim": i_dim, "n_experts": e, "top_k": k,
+                   "block_size": args.block_size},
+        "rounds": args.rounds,
+        "host_alloc": host_alloc,
+        "matmul_gflops": fwd_flops / min(mm) / 1e9,
+        "paths": {},
+    }
+    for path in paths:
+        fb, fw = secs[f"{path}/fwd_bwd"], secs[f"{path}/fwd"]
+        r_fb = [3 * m / s for m, s in zip(ref[path], fb)]  # (3 F / s) / (F / m)
+        r_fw = [m / s for m, s in zip(ref[path], fw)]
+        out["paths"][path] = {
+            "gflops": 3 * fwd_flops / min(fb) / 1e9,
+            "ratio_to_matmul": statistics.median(r_fb),
+            "ratio_to_matmul_range": [min(r_fb), max(r_fb)],
+            "fwd_gflops": fwd_flops / min(fw) / 1e9,
+            "fwd_ratio_to_matmul": statistics.median(r_fw),
+            "fwd_ms": min(fw) * 1e3,
+            "fwd_bwd_ms": min(fb) * 1e3,
+        }
+    if ideals:
+        for name in ideals:
+            out[name] = out["paths"].pop(name)
+        out["ideal_ratio_to_matmul"] = max(out[name]["ratio_to_matmul"] for name in ideals)
+        best_ideal = [min(pair) for pair in zip(*(secs[f"{name}/fwd_bwd"] for name in ideals))]
+        for path, r in out["paths"].items():  # per round: the faster ideal's time over the path's
+            rr = [i / p for i, p in zip(best_ideal, secs[f"{path}/fwd_bwd"])]
+            r["ratio_to_ideal"] = statistics.median(rr)
+            r["ratio_to_ideal_range"] = [min(rr), max(rr)]
+    return out
+
+
+def _print(out: dict, args, ideals: list) -> None:
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    t, d, i_dim, e, k = (out["shapes"][n] for n in ("tokens", "d_model", "expert_ffn_dim", "n_experts", "top_k"))
+    host_alloc = out["host_alloc"]
+    print(f"backend={jax.default_backend()} shape={args.shape} T={t} D={d} I={i_dim} E={e} k={k} "
+          f"block_size={args.block_size} rounds={args.rounds} host_alloc={host_alloc}")
+    print(f"plain matmul: {out['matmul_gflops']:8.1f} GFLOP/s (best timing)")
+    rows = list(out["paths"].items()) + [(name, out[name]) for name in ideals]
+    for path, r in rows:
+        lo, hi = r["ratio_to_matmul_range"]
+        extra = (f"   ratio_to_ideal {r['ratio_to_ideal']:.3f} [{r['ratio_to_ideal_range'][0]:.3f}-"
+                 f"{r['ratio_to_ideal_range'][1]:.3f}]" if "ratio_to_ideal" in r else "")
+        print(
+            f"{path:13s} fwd+bwd {r['gflops']:8.1f} GFLOP/s  ratio_to_matmul {r['ratio_to_matmul']:.3f}"
+            f" [{lo:.3f}-{hi:.3f}]   fwd {r['fwd_gflops']:8.1f} GFLOP/s  ratio {r['fwd_ratio_to_matmul']:.3f}"
+            + extra
+        )
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -234,53 +293,8 @@ def main(argv=None) -> dict:
             ref[path].append((before + after) / 2)  # the reference at the path's time
             secs["matmul"] += [before, after]
 
-    mm = secs["matmul"]
-    out = {
-        "shapes": {"name": args.shape, "tokens": t, "d_model": d, "expert_ffn_dim": i_dim, "n_experts": e, "top_k": k,
-                   "block_size": args.block_size},
-        "rounds": args.rounds,
-        "host_alloc": host_alloc,
-        "matmul_gflops": fwd_flops / min(mm) / 1e9,
-        "paths": {},
-    }
-    for path in paths:
-        fb, fw = secs[f"{path}/fwd_bwd"], secs[f"{path}/fwd"]
-        r_fb = [3 * m / s for m, s in zip(ref[path], fb)]  # (3 F / s) / (F / m)
-        r_fw = [m / s for m, s in zip(ref[path], fw)]
-        out["paths"][path] = {
-            "gflops": 3 * fwd_flops / min(fb) / 1e9,
-            "ratio_to_matmul": statistics.median(r_fb),
-            "ratio_to_matmul_range": [min(r_fb), max(r_fb)],
-            "fwd_gflops": fwd_flops / min(fw) / 1e9,
-            "fwd_ratio_to_matmul": statistics.median(r_fw),
-            "fwd_ms": min(fw) * 1e3,
-            "fwd_bwd_ms": min(fb) * 1e3,
-        }
-    if ideals:
-        for name in ideals:
-            out[name] = out["paths"].pop(name)
-        out["ideal_ratio_to_matmul"] = max(out[name]["ratio_to_matmul"] for name in ideals)
-        best_ideal = [min(pair) for pair in zip(*(secs[f"{name}/fwd_bwd"] for name in ideals))]
-        for path, r in out["paths"].items():  # per round: the faster ideal's time over the path's
-            rr = [i / p for i, p in zip(best_ideal, secs[f"{path}/fwd_bwd"])]
-            r["ratio_to_ideal"] = statistics.median(rr)
-            r["ratio_to_ideal_range"] = [min(rr), max(rr)]
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print(f"backend={jax.default_backend()} shape={args.shape} T={t} D={d} I={i_dim} E={e} k={k} "
-              f"block_size={args.block_size} rounds={args.rounds} host_alloc={host_alloc}")
-        print(f"plain matmul: {out['matmul_gflops']:8.1f} GFLOP/s (best timing)")
-        rows = list(out["paths"].items()) + [(name, out[name]) for name in ideals]
-        for path, r in rows:
-            lo, hi = r["ratio_to_matmul_range"]
-            extra = (f"   ratio_to_ideal {r['ratio_to_ideal']:.3f} [{r['ratio_to_ideal_range'][0]:.3f}-"
-                     f"{r['ratio_to_ideal_range'][1]:.3f}]" if "ratio_to_ideal" in r else "")
-            print(
-                f"{path:13s} fwd+bwd {r['gflops']:8.1f} GFLOP/s  ratio_to_matmul {r['ratio_to_matmul']:.3f}"
-                f" [{lo:.3f}-{hi:.3f}]   fwd {r['fwd_gflops']:8.1f} GFLOP/s  ratio {r['fwd_ratio_to_matmul']:.3f}"
-                + extra
-            )
+    out = _results(args, host_alloc, fwd_flops, paths, ideals, secs, ref)
+    _print(out, args, ideals)
     return out
 
 

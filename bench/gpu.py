@@ -5,7 +5,7 @@
     python bench/gpu.py [--dry-run] --memory-only [--attention-model flash|xla|both]  # does each shape fit, CPU
 
 Throughput (tokens/s, MFU against a measured bf16 matmul peak, peak device memory), bf16 compute,
-flash attention (``train.attention_kernel=dot_product``: cuDNN on GPU), the ``gpu_overlap`` XLA
+flash attention (``compute.attention_kernel=dot_product``: cuDNN on GPU), the ``gpu_overlap`` XLA
 flag profile, on the two shapes of ``bench/train_step.py`` scaled to d_model 2048 -- ``coarse``
 (8 experts top-2, expert FFN 4096, Mixtral-style) and ``fine`` (64 experts top-8, expert FFN 1024,
 QK-norm, Qwen3-MoE-style) -- each with the ``ragged`` path on jax's Hopper grouped-GEMM kernels
@@ -24,7 +24,7 @@ torchtitan`` line per shape is printed. The dry run runs it on CPU (SDPA attenti
 Memory (issue 13): peak device memory of a europa-shaped slice (full width d_model 7168, MLA with
 64 heads, vocab 163840, 1 dense + 2 MoE layers, 384 experts of width 1536 cut to 16, 4096 tokens)
 with the explicit attention scores and whole logits, then with flash attention, with chunked CE,
-and with each offload (``train.remat=offload``, ``train.offload_optimizer``); a variant whose
+and with each offload (``compute.remat=offload``, ``optim.offload_optimizer``); a variant whose
 config field this tree does not know is reported as skipped, not failed.
 
 Each variant runs in its own process (device memory peaks are per process), in the order above,
@@ -59,8 +59,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # -- variants ----------------------------------------------------------------------------------
 
 _COMMON = {"moe.lb_coef": 0, "moe.router_z_coef": 0, "moe.seq_aux_coef": 0, "moe.norm_topk_prob": "true",
-           "train.dtype": "bfloat16", "train.optimizer": "adamw", "train.grad_clip": 1.0,
-           "train.z_loss_coef": 0, "train.steps": 1000, "train.warmup_steps": 10, "model.first_k_dense": 0}
+           "compute.dtype": "bfloat16", "optim.optimizer": "adamw", "optim.grad_clip": 1.0,
+           "train.z_loss_coef": 0, "train.steps": 1000, "optim.warmup_steps": 10, "model.first_k_dense": 0}
 
 
 def _throughput_shapes(dry: bool) -> dict:
@@ -87,10 +87,10 @@ def _europa_slice(dry: bool) -> dict:
                 "model.dense_ffn_dim": 128, "model.n_heads": 4, "model.q_lora_rank": 32,
                 "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 16, "model.qk_rope_head_dim": 8,
                 "model.v_head_dim": 16, "moe.n_experts": 8, "moe.expert_ffn_dim": 32, "moe.top_k": 2,
-                "train.batch_size": 1, "train.seq_len": 64, "model.max_seq_len": 64, "train.optimizer": "adamw",
+                "train.batch_size": 1, "train.seq_len": 64, "model.max_seq_len": 64, "optim.optimizer": "adamw",
                 "mesh.expert": 1, "mesh.replica": 1, "mesh.fsdp": 1}
     return {"model.n_layers": 3, "model.first_k_dense": 1, "moe.n_experts": 16, "train.batch_size": 1,
-            "train.seq_len": 4096, "model.max_seq_len": 4096, "train.optimizer": "adamw",
+            "train.seq_len": 4096, "model.max_seq_len": 4096, "optim.optimizer": "adamw",
             "mesh.expert": 1, "mesh.replica": 1, "mesh.fsdp": 1}
 
 
@@ -104,7 +104,7 @@ def variants(dry: bool) -> list[dict]:
         preset = "mixtral-tiny" if shape == "coarse" else "tiny"
         for name, path_sets in paths.items():
             v = {"name": f"{shape}/{name}", "kind": "throughput", "preset": preset,
-                 "sets": {**_COMMON, **sets, **path_sets, "train.attention_kernel": "dot_product"}}
+                 "sets": {**_COMMON, **sets, **path_sets, "compute.attention_kernel": "dot_product"}}
             (last if name == "ragged" else out).append(v)  # the dense-lowered reference last
     out.sort(key=lambda v: v["name"].split("/")[1] != "ragged_mgpu")  # the grouped GEMMs first
     for shape, sets in _throughput_shapes(dry).items():  # the peer, same shapes (bench/titan_worker.py)
@@ -115,14 +115,14 @@ def variants(dry: bool) -> list[dict]:
     # 1 dense + 2 MoE layers; the blocked expert path: ragged_dot's dense lowering would add an
     # [E, rows, D] copy (7.5 GiB here) to figures that are about attention, CE and offload
     eu = {**_COMMON, **_europa_slice(dry), "moe.compute_path": "blocked"}
-    lean = {"train.attention_kernel": "dot_product", "train.ce_chunk_tokens": 64 if dry else 1024}
+    lean = {"compute.attention_kernel": "dot_product", "compute.ce_chunk_tokens": 64 if dry else 1024}
     mem = [
-        ("europa/explicit_attn+whole_logits", {"train.attention_kernel": "explicit", "train.ce_chunk_tokens": 0}),
-        ("europa/flash_attn", {"train.attention_kernel": "dot_product", "train.ce_chunk_tokens": 0}),
+        ("europa/explicit_attn+whole_logits", {"compute.attention_kernel": "explicit", "compute.ce_chunk_tokens": 0}),
+        ("europa/flash_attn", {"compute.attention_kernel": "dot_product", "compute.ce_chunk_tokens": 0}),
         ("europa/flash_attn+chunked_ce", lean),
-        ("europa/lean+remat_offload", {**lean, "train.remat": "offload"}),
-        ("europa/lean+offload_optimizer", {**lean, "train.offload_optimizer": "true"}),
-        ("europa/lean+both_offloads", {**lean, "train.remat": "offload", "train.offload_optimizer": "true"}),
+        ("europa/lean+remat_offload", {**lean, "compute.remat": "offload"}),
+        ("europa/lean+offload_optimizer", {**lean, "optim.offload_optimizer": "true"}),
+        ("europa/lean+both_offloads", {**lean, "compute.remat": "offload", "optim.offload_optimizer": "true"}),
     ]
     preset = "europa-952b"
     for name, sets in mem:
@@ -151,7 +151,7 @@ def kernel_check(cfg, rows: int = 4096) -> dict:
     from jaxmoe.model.experts import ragged_swiglu
 
     e, d, i = cfg.moe.n_experts, cfg.model.d_model, cfg.moe.expert_ffn_dim
-    dt = jnp.bfloat16 if cfg.train.dtype == "bfloat16" else jnp.float32
+    dt = jnp.bfloat16 if cfg.compute.dtype == "bfloat16" else jnp.float32
     rng = np.random.default_rng(0)
     sizes = rng.multinomial(rows - rows // 16, np.full(e, 1.0 / e)).astype(np.int32)
     sizes[e // 2] = 0
@@ -200,7 +200,7 @@ def run_variant(v: dict, steps: int, peak_flops: float, profile_dir: str = "") -
     rec = {"name": v["name"], "kind": v["kind"]}
     try:
         cfg = load_config(v["preset"], overrides=[f"{k}={x}" for k, x in v["sets"].items()])
-    except ConfigError as e:  # e.g. train.offload_optimizer before that field exists
+    except ConfigError as e:  # e.g. optim.offload_optimizer before that field exists
         rec["skipped"] = f"config: {str(e).splitlines()[0][:200]}"
         return rec
     b, s = cfg.train.batch_size, cfg.train.seq_len
@@ -209,10 +209,10 @@ def run_variant(v: dict, steps: int, peak_flops: float, profile_dir: str = "") -
     batch = {"inputs": jax.device_put(toks[:, :-1]), "targets": jax.device_put(toks[:, 1:]),
              "mask": jax.device_put(np.ones((b, s), np.float32))}
     params, buffers = init_params(cfg, 0)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     state = init_state(cfg, tx, params, buffers)
     del params, buffers
-    sh = state_shardings(cfg, state)  # train.offload_optimizer: the optimizer state in pinned_host
+    sh = state_shardings(cfg, state)  # optim.offload_optimizer: the optimizer state in pinned_host
     if sh is not None:
         state = jax.device_put(state, sh)
     t = time.perf_counter()
@@ -261,16 +261,16 @@ def run_variant(v: dict, steps: int, peak_flops: float, profile_dir: str = "") -
 
 def memory_variants(dry: bool) -> list[dict]:
     """The blocked path (the one a CUDA backend picks) at each throughput shape, as benched and
-    with ``train.remat=save_dots``; ``train.ce_chunk_tokens`` is left ``auto`` as in the bench
+    with ``compute.remat=save_dots``; ``compute.ce_chunk_tokens`` is left ``auto`` as in the bench
     (resolved for gpu by gpu_fit.memory_fit: 1024 at the full shapes)."""
     out = []
     for shape, sets in _throughput_shapes(dry).items():
-        base = {**_COMMON, **sets, "moe.compute_path": "blocked", "train.attention_kernel": "dot_product"}
+        base = {**_COMMON, **sets, "moe.compute_path": "blocked", "compute.attention_kernel": "dot_product"}
         out.append({"name": f"{shape}/blocked", "kind": "memory_fit", "preset": "mixtral-tiny" if shape == "coarse"
                     else "tiny", "sets": base})
         out.append({"name": f"{shape}/blocked+save_dots", "kind": "memory_fit",
                     "preset": "mixtral-tiny" if shape == "coarse" else "tiny",
-                    "sets": {**base, "train.remat": "save_dots"}})
+                    "sets": {**base, "compute.remat": "save_dots"}})
     return out
 
 

@@ -119,7 +119,7 @@ def flash_memory_stand_in(query, key, value, bias=None, mask=None, *, scale=None
 def attention_model(name: str):
     """While tracing the step for the XLA:CPU compile: ``flash`` puts
     :func:`flash_memory_stand_in` in place of ``jax.nn.dot_product_attention`` (what
-    ``train.attention_kernel=dot_product`` calls); ``xla`` leaves XLA's attention."""
+    ``compute.attention_kernel=dot_product`` calls); ``xla`` leaves XLA's attention."""
     if name not in ATTENTION_MODELS:
         raise ValueError(f"unknown attention model {name!r}; use one of {', '.join(ATTENTION_MODELS)}")
     if name == "xla":
@@ -161,13 +161,13 @@ def memory_fit(v: dict, attention: str = "flash") -> dict:
     resolved = auto_choices(cfg, "gpu")  # what a GPU run resolves (the CPU rules would differ)
     cfg = resolve_auto(cfg, "gpu")
     s = cfg.train.seq_len
-    rec = {"name": v["name"], "kind": "memory_fit", "remat": cfg.train.remat, "attention_model": attention,
+    rec = {"name": v["name"], "kind": "memory_fit", "remat": cfg.compute.remat, "attention_model": attention,
            "auto_fields": sorted(resolved),
-           "resolved": {"moe.compute_path": cfg.moe.compute_path, "train.attention_kernel": cfg.train.attention_kernel,
-                        "train.scan_unroll": cfg.train.scan_unroll, "train.ce_chunk_tokens": cfg.train.ce_chunk_tokens,
-                        "train.remat": cfg.train.remat}}
+           "resolved": {"moe.compute_path": cfg.moe.compute_path,
+                        **{f"compute.{k}": getattr(cfg.compute, k)
+                           for k in ("attention_kernel", "scan_unroll", "ce_chunk_tokens", "remat")}}}
     params, buffers = abstract_params(cfg)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     state = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
     b = cfg.train.batch_size
     batch = {"inputs": jax.ShapeDtypeStruct((b, s), "int32"), "targets": jax.ShapeDtypeStruct((b, s), "int32"),

@@ -193,7 +193,7 @@ def run_layout(preset, spec, kind, chunks, batch, seq, steps):
     cfg = cfg.replace(mesh=dataclasses.replace(cfg.mesh, dispatcher=kind, dispatch_chunks=chunks))
     cfg, ctx = build_context(cfg, parse_mesh(spec))
     params, buffers = init_params(cfg, 0)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     state = ctx.place_state(init_state(cfg, tx, params, buffers))
     rng = np.random.default_rng(0)
     v = cfg.model.vocab_size

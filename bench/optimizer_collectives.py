@@ -1,5 +1,5 @@
 """Collectives and bytes in the compiled (SPMD-partitioned) optimizer update, expert vs dense
-parameters, for Muon's two placements (train.muon_placement) on 8 fake CPU devices.
+parameters, for Muon's two placements (optim.muon_placement) on 8 fake CPU devices.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python bench/optimizer_collectives.py [PRESET ...]
 
@@ -46,7 +46,7 @@ def main():
             mesh = make_mesh(sizes)
             for layout in ("rules", "factored"):
                 for placement in ("replicated", "owner"):
-                    cfg = load_config(preset, overrides=["train.optimizer=muon", f"train.muon_placement={placement}"])
+                    cfg = load_config(preset, overrides=["optim.optimizer=muon", f"optim.muon_placement={placement}"])
                     specs = factored(cfg, sizes) if layout == "factored" else None
                     r = optimizer_update_collectives(cfg, mesh, specs=specs)
                     (eo, eb), (do, db) = total(r["expert"]), total(r["dense"])

@@ -10,8 +10,8 @@ head_dim 64, fp32, aux losses off, global-norm clipping 1.0 on every system):
 * ``fine``: 64 experts top-8, expert FFN 256, QK-norm -- HF ``Qwen3MoeForCausalLM``.
 
 Systems: ``jaxmoe`` (the jitted train step of ``jaxmoe.train.step``: the ``blocked`` expert path with
-64-row blocks, cross-entropy chunked by 1024 tokens (``train.ce_chunk_tokens``), the 4 layers
-unrolled (``train.scan_unroll=0``)), ``hf_eager`` and ``hf_compile`` (the transformers model with
+64-row blocks, cross-entropy chunked by 1024 tokens (``compute.ce_chunk_tokens``), the 4 layers
+unrolled (``compute.scan_unroll=0``)), ``hf_eager`` and ``hf_compile`` (the transformers model with
 ``torch.optim.AdamW``, eager and under ``torch.compile``; a compile failure is reported, not
 hidden), ``torch_ref`` (the reference's own train step), ``jaxmoe_train`` (``jaxmoe train`` end to
 end with its defaults: a subprocess per round on the shape's config without the tuned values that
@@ -53,7 +53,7 @@ SHAPES = {
 
 
 # what `auto` decides (jaxmoe/config/autoconf.py): the `jaxmoe_train` row leaves these to the defaults
-AUTO_KEYS = ("moe.compute_path", "train.ce_chunk_tokens", "train.scan_unroll")
+AUTO_KEYS = ("moe.compute_path", "compute.ce_chunk_tokens", "compute.scan_unroll")
 
 
 def jax_config(shape: str, extra=(), defaults: bool = False):
@@ -69,14 +69,14 @@ def jax_config(shape: str, extra=(), defaults: bool = False):
         "moe.n_experts": s["experts"], "moe.top_k": s["top_k"], "moe.expert_ffn_dim": s["ffn"],
         "moe.norm_topk_prob": "true", "moe.lb_coef": 0, "moe.router_z_coef": 0, "moe.seq_aux_coef": 0,
         "moe.compute_path": "blocked", "train.batch_size": B, "train.seq_len": S,
-        "train.dtype": "float32", "train.optimizer": "adamw", "train.grad_clip": 1.0,
-        "train.z_loss_coef": 0, "train.steps": 1000, "train.warmup_steps": 10,
+        "compute.dtype": "float32", "optim.optimizer": "adamw", "optim.grad_clip": 1.0,
+        "train.z_loss_coef": 0, "train.steps": 1000, "optim.warmup_steps": 10,
         # CE fused with the LM head in 1024-token chunks: same FLOPs, -19% bytes, -20% CPU time
         # of CE fwd+bwd at this shape (docs/MEASUREMENTS.md "Performance and memory-lean kernels")
-        "train.ce_chunk_tokens": 1024,
+        "compute.ce_chunk_tokens": 1024,
         # 4 layers: no layer loop, so no stacked per-layer buffers (+4% coarse, +14% fine by
         # interleaved A/B, docs/MEASUREMENTS.md)
-        "train.scan_unroll": 0,
+        "compute.scan_unroll": 0,
         # blocked path: groups padded to 64 rows, not the tiny presets' 8 (fewer, larger tail runs:
         # +12% coarse, +9% fine by interleaved A/B; 32 and 128 were not faster)
         "moe.block_size": 64,
@@ -111,7 +111,7 @@ def make_jaxmoe(cfg):
     from jaxmoe.train.step import init_state, make_train_step
 
     params, buffers = init_params(cfg, 0)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     box = {"state": init_state(cfg, tx, params, buffers)}
     step = make_train_step(Model(cfg), tx)
     batch = {k: jax.device_put(v) for k, v in batch_np().items()}
@@ -143,7 +143,7 @@ def make_hf(cfg, compiled: bool):
     import torch
 
     model = _hf_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8,
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1)
     b = batch_np()
     inputs, targets = torch.from_numpy(b["inputs"].astype("int64")), torch.from_numpy(b["targets"].astype("int64"))
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
     p.add_argument("--skip", default="", help="comma-separated systems not to run (e.g. hf_compile)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a jaxmoe config override for A/B runs (e.g. train.ce_chunk_tokens=1024)")
+                   help="a jaxmoe config override for A/B runs (e.g. compute.ce_chunk_tokens=1024)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     def log(m):

@@ -22,14 +22,14 @@ from jaxmoe.extras import EXTRA_OF, hint
 # command -> (module, help)
 COMMANDS = {
     "train": ("jaxmoe.train.cli", "train a model (default: tiny on the embedded corpus, on CPU)"),
-    "count": (None, "analytic total / active parameter counts of a preset"),
+    "count": (None, "analytic total / active parameter counts (a preset, a config file or --from-titan)"),
     "config": ("jaxmoe.config.cli", "print a resolved config as TOML (preset, file, --set, or --from-titan)"),
     "plan": ("jaxmoe.plan.memory", "will a preset's train step fit a mesh? per-device memory, FLOPs, lowering"),
     "plot": ("jaxmoe.train.plot", "write PNG plots from a training run's metrics.jsonl"),
     "tokenizer": ("jaxmoe.data.tokenize", "train a byte-level BPE tokenizer.json on text files"),
-    "convert": ("jaxmoe.port.commands.cli", "convert checkpoints between hf:, orbax: and torch:"),
+    "convert": ("jaxmoe.port.commands.cli", "convert checkpoints between hf:, orbax:, torch: and dcp: (torchtitan)"),
     "logits": ("jaxmoe.port.commands.cli", "write the fp32 logits a checkpoint computes on tokens"),
-    "parity": ("parity.cli", "run the jaxmoe vs torch_ref parity suite"),
+    "parity": ("parity.cli", "run the parity suites: jaxmoe vs torch_ref, transformers or torchtitan"),
 }
 
 

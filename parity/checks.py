@@ -397,6 +397,13 @@ def compare_steps(cfg: Config, jt: dict, tt: dict, bias0, n_steps: int, tol: Tol
             add("expert_bias[1]", "max |bias diff| after update 1", d, allow, after=0)
     for item in losses[1:]:
         loss_check(*item)
+    _compare_final_state(cfg, jt, tt, bias0, n_steps, flips, part_at, tol, checks, add)
+
+
+def _compare_final_state(cfg, jt, tt, bias0, n_steps, flips, part_at, tol, checks, add) -> None:
+    """Items 4 and 5 of :func:`compare_steps`: the routing flips counted over training, every
+    parameter and the expert bias after the last step (``add`` makes a check a figure after a
+    parting)."""
     m = cfg.model
     total = max(1, sum(int(c.sum()) for c in tt["counts"]))
     moved = sum(int(np.abs(cj.astype(np.int64) - ct).sum()) for cj, ct in zip(jt["counts"], tt["counts"])

@@ -176,6 +176,14 @@ def _run(args) -> int:
         out = Path(args.out) if args.out else DEFAULT_OUT / opts.label
         rep = _one(opts, out, plots)
         return 0 if rep["passed"] else 1
+    ignored = [flag for flag, given in (("--preset", args.preset is not None),
+                                        ("--reference", args.reference != "torch_ref"),
+                                        ("--titan", args.titan is not None),
+                                        ("--titan-set", bool(args.titan_overrides)),
+                                        ("--packed", args.packed)) if given]
+    if ignored:
+        raise UserError(f"run --all runs the matrix, whose rows set their own preset, reference and packing: "
+                        f"drop {', '.join(ignored)} (or drop --all to run one comparison)")
     root = Path(args.out) if args.out else DEFAULT_OUT / "all"
     rows = []
     for label, preset, overrides, extra in MATRIX:

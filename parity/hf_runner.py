@@ -49,7 +49,7 @@ def run_hf_suite(opts, cfg, n_steps: int) -> dict:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     cfg = hf_objective_config(cfg)
-    tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer)
+    tol = tolerances_for(cfg.compute.dtype, cfg.optim.optimizer)
     setup_numerics()
     params, buffers = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
     hf = to_hf(cfg, params, buffers)

@@ -208,7 +208,7 @@ class HFSide:
         from torch_ref.losses import update_expert_bias
         from torch_ref.train import lr_factor
 
-        t, e = self.cfg.train, self.cfg.moe
+        t, e = self.cfg.optim, self.cfg.moe
         if t.optimizer != "adamw":
             raise UserError("--reference hf trains with torch AdamW only (the fused expert tensors of "
                             "transformers 5 are 3-D, which torch.optim.Muon rejects); use --optimizer adamw "

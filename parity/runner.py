@@ -36,7 +36,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from jaxmoe.config import Config, load_config, validate
+from jaxmoe.config import Config, load_config, parse_override, validate
 from jaxmoe.errors import UserError
 from jaxmoe.parallel.mesh import build_context, parse_mesh
 from jaxmoe.parallel.sharding import BATCH_AXES
@@ -102,7 +102,8 @@ class RunOptions:
 
 
 def _override_keys(overrides) -> set[str]:
-    return {o.split("=", 1)[0].strip() for o in overrides}
+    """The ``section.key`` each ``--set`` names, where the key lives now (an old train.* key too)."""
+    return {".".join(parse_override(o)[:2]) for o in overrides}
 
 
 def build_config(opts: RunOptions) -> Config:
@@ -126,13 +127,14 @@ def build_config(opts: RunOptions) -> Config:
     unit = t.micro_batches * shards
     if "train.batch_size" not in given:
         t.batch_size = unit * max(1, math.ceil(t.batch_size / unit))
-    t.dtype = opts.dtype
+    cfg.compute.dtype = opts.dtype
+    o = cfg.optim
     if opts.optimizer:
-        t.optimizer = opts.optimizer
-    if t.optimizer == "muon" and "train.muon_ns_dtype" not in given:
-        # fp32 Newton-Schulz on both sides (torch_ref.muon) unless --set train.muon_ns_dtype=bfloat16
+        o.optimizer = opts.optimizer
+    if o.optimizer == "muon" and "optim.muon_ns_dtype" not in given:
+        # fp32 Newton-Schulz on both sides (torch_ref.muon) unless --set optim.muon_ns_dtype=bfloat16
         # asks for torch.optim.Muon's bf16 NS (its own tolerance profile: parity.tolerances)
-        t.muon_ns_dtype = "float32"
+        o.muon_ns_dtype = "float32"
     t.seed = opts.seed
     steps = size["steps"] if opts.steps is None else opts.steps
     if steps < 0:
@@ -182,6 +184,48 @@ def mesh_devices(spec: str) -> int:
     return fixed if all(v != -1 for v in sizes.values()) else max(8, fixed)
 
 
+def _titan_suite(opts: RunOptions, with_steps: bool) -> dict:
+    from parity.titan_runner import run_titan_suite  # late: imports torchtitan
+
+    if opts.steps is None and with_steps:
+        raise UserError("--reference torchtitan: pass --steps N (0: one forward/backward; N: N training "
+                        "steps with torchtitan's optimizer, schedule and bias hook)")
+    return run_titan_suite(opts, (opts.steps or 0) if with_steps else 0)
+
+
+def _compare_grads(js, ts, batch, forced, cache, patch, tol, checks, timings) -> dict:
+    """Every parameter's gradient on both sides (jax's cached per routing and fault)."""
+    gkey, jpatch = patch
+    t = time.perf_counter()
+    ckey = ("grads", None if forced is None else forced.tobytes(), gkey)
+    if ckey not in cache:
+        cache[ckey] = js.grads(batch, forced, patch=jpatch())
+    jg = cache[ckey]
+    timings["jax_grads"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tg = ts.grads(batch, forced)
+    timings["torch_grads"] = time.perf_counter() - t
+    return compare_named("grad", jg, tg, tol.grad_rel_l2, checks, "backward")
+
+
+def _compare_training(cfg, js, ts, batches, cache, patch, bias, params0, tol, checks, timings) -> dict:
+    """``len(batches)`` optimizer steps on both sides, compared step by step; the loss curves."""
+    gkey, jpatch = patch
+    n_steps = len(batches)
+    t = time.perf_counter()
+    tkey = ("train", n_steps, gkey)
+    if tkey not in cache:  # shared by the torch-side optimizer faults of one configuration
+        with jpatch():
+            cache[tkey] = js.train(batches)
+    jt = cache[tkey]
+    timings["jax_steps"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tt = ts.train(batches)
+    timings["torch_steps"] = time.perf_counter() - t
+    compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=params0)
+    return {"jax": jt["losses"], "torch": tt["losses"]}
+
+
 def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, with_grads: bool = True,
               with_steps: bool = True, log=print) -> dict:
     """Run one parity comparison; returns the report dict (see module doc)."""
@@ -191,12 +235,7 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         raise UserError("--packed compares against torch_ref or torchtitan (not --reference hf); "
                         "drop --packed or --reference")
     if opts.reference == "torchtitan":  # the config comes from the flavor, not a preset
-        from parity.titan_runner import run_titan_suite  # late: imports torchtitan
-
-        if opts.steps is None and with_steps:
-            raise UserError("--reference torchtitan: pass --steps N (0: one forward/backward; N: N training "
-                            "steps with torchtitan's optimizer, schedule and bias hook)")
-        return run_titan_suite(opts, (opts.steps or 0) if with_steps else 0)
+        return _titan_suite(opts, with_steps)
     if opts.mesh:
         _ensure_devices(mesh_devices(opts.mesh))
     cfg = build_config(opts)
@@ -207,8 +246,8 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         return run_hf_suite(opts, cfg, n_steps)
     if opts.reference != "torch_ref":
         raise UserError(f"--reference {opts.reference!r}: choose torch_ref, hf or torchtitan")
-    tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer, forced=opts.force_routing is not None,
-                         ns_dtype=cfg.train.muon_ns_dtype)
+    tol = tolerances_for(cfg.compute.dtype, cfg.optim.optimizer, forced=opts.force_routing is not None,
+                         ns_dtype=cfg.optim.muon_ns_dtype)
     setup_numerics()
 
     ctx = None
@@ -265,33 +304,12 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     layer_errors = compare_forward(cfg, jf, tf, tol, checks)
     compare_losses(jf["losses"], tf["losses"], tol, checks)
 
-    grad_worst: dict = {}
-    if with_grads:
-        t = time.perf_counter()
-        ckey = ("grads", None if forced is None else forced.tobytes(), gkey)
-        if ckey not in cache:
-            cache[ckey] = js.grads(batches[0], forced, patch=jpatch())
-        jg = cache[ckey]
-        timings["jax_grads"] = time.perf_counter() - t
-        t = time.perf_counter()
-        tg = ts.grads(batches[0], forced)
-        timings["torch_grads"] = time.perf_counter() - t
-        grad_worst = compare_named("grad", jg, tg, tol.grad_rel_l2, checks, "backward")
-
+    grad_worst = (_compare_grads(js, ts, batches[0], forced, cache, (gkey, jpatch), tol, checks, timings)
+                  if with_grads else {})
     curves = None
     if n_steps > 0:
-        t = time.perf_counter()
-        tkey = ("train", n_steps, gkey)
-        if tkey not in cache:  # shared by the torch-side optimizer faults of one configuration
-            with jpatch():
-                cache[tkey] = js.train(batches[:n_steps])
-        jt = cache[tkey]
-        timings["jax_steps"] = time.perf_counter() - t
-        t = time.perf_counter()
-        tt = ts.train(batches[:n_steps])
-        timings["torch_steps"] = time.perf_counter() - t
-        curves = {"jax": jt["losses"], "torch": tt["losses"]}
-        compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=hf)
+        curves = _compare_training(cfg, js, ts, batches[:n_steps], cache, (gkey, jpatch), bias, hf, tol, checks,
+                                   timings)
 
     items = checks.items
     return assemble(

@@ -289,7 +289,7 @@ class JaxSide:
         from jaxmoe.train.step import init_state, make_train_step
 
         cfg = self.cfg
-        tx = build_optimizer(cfg.train, self.params0, declared_groups(cfg))
+        tx = build_optimizer(cfg.optim, cfg.train.steps, self.params0, declared_groups(cfg))
         state = init_state(cfg, tx, self.params0, self.buffers0)
         if self.ctx is not None:
             state = self.ctx.place_state(state)

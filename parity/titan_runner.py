@@ -36,7 +36,7 @@ Two precision profiles (``--dtype``):
 * ``bfloat16`` (profile ``bfloat16-adamw``): **stock torchtitan** -- its ``GroupedExperts`` as
   shipped, which cast the tokens and the expert weights to bf16 for ``torch._grouped_mm`` even in
   an fp32 model (what a torchtitan run computes in its experts) -- against jaxmoe's bf16 compute
-  (``train.dtype=bfloat16``: matmuls in bf16, router, combine and losses fp32). Not the same
+  (``compute.dtype=bfloat16``: matmuls in bf16, router, combine and losses fp32). Not the same
   rounding on the two sides (torchtitan's attention, norms and dense layers stay fp32 here: FSDP's
   bf16 parameter cast is not reproduced in one CPU process), so this is the reported bf16 profile:
   routing, the loss and the logits (scaled) gated at bf16 resolution, gradients and N-step
@@ -97,19 +97,19 @@ def titan_config(opts, n_steps: int = 0):
         section, key, value = parse_override(text)
         data.setdefault(section, {})[key] = value
     cfg = config_from_dict(data, base=cfg)
-    given = {f"{s}.{k}" for s, d in data.items() for k in d}
+    given = {f"{s}.{k}" for s, d in data.items() for k in d}  # parse_override: where keys live now
     size = SIZE_PROFILES[opts.profile]
     t = cfg.train
     for k in ("seq_len", "batch_size"):
         if size[k] and f"train.{k}" not in given:
             setattr(t, k, size[k])
     t.batch_size = t.micro_batches * max(1, math.ceil(t.batch_size / t.micro_batches))
-    t.dtype, t.seed = opts.dtype, opts.seed
+    cfg.compute.dtype, t.seed = opts.dtype, opts.seed
     if n_steps and "train.steps" not in given:
         t.steps = n_steps
     for k, v in TITAN_RUN_SCHEDULE.items():
-        if f"train.{k}" not in given:
-            setattr(t, k, v)
+        if f"optim.{k}" not in given:
+            setattr(cfg.optim, k, v)
     return tcfg, validate(cfg)
 
 
@@ -130,7 +130,7 @@ def run_titan_suite(opts, n_steps: int) -> dict:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     tcfg, cfg = titan_config(opts, n_steps)
-    tol = tolerances_for(cfg.train.dtype, cfg.train.optimizer)
+    tol = tolerances_for(cfg.compute.dtype, cfg.optim.optimizer)
     setup_numerics()
     params, buffers = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
     tensors = to_titan(cfg, params, buffers)
@@ -178,7 +178,7 @@ def run_titan_suite(opts, n_steps: int) -> dict:
         jt = js.train(batches[:n_steps])
         timings["jax_steps"] = time.perf_counter() - t
         t = time.perf_counter()
-        tt = ts.train(batches[:n_steps], cfg.train, bias_hook=hook, moe=cfg.moe)
+        tt = ts.train(batches[:n_steps], cfg, bias_hook=hook, moe=cfg.moe)
         timings["torch_steps"] = time.perf_counter() - t
         curves = {"jax": jt["losses"], "torch": tt["losses"]}
         params0 = to_titan(cfg, params, None, with_buffers=False)

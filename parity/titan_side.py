@@ -166,7 +166,7 @@ class TitanSide:
         """The ``moe`` modules of the MoE layers, in layer order."""
         return [blk.moe for blk in self.model.layers.values() if getattr(blk, "moe_enabled", False)]
 
-    def train(self, batches: list[dict], tcfg, *, bias_hook: bool, moe=None) -> dict:
+    def train(self, batches: list[dict], cfg, *, bias_hook: bool, moe=None) -> dict:
         """``len(batches)`` training steps as torchtitan's ``Trainer.train_step`` makes them (one
         micro-batch, no parallelism), on a fresh copy of the initial weights:
 
@@ -176,13 +176,13 @@ class TitanSide:
         every MoE layer's ``expert_bias_E`` from ``tokens_per_expert_E`` and zeroes the counts);
         ``lr_schedulers.step()``.
 
-        Built by torchtitan's own classes from ``tcfg`` (jaxmoe's train section, which
+        Built by torchtitan's own classes from ``cfg`` (jaxmoe's optim section, which
         :func:`jaxmoe.config.titan.map_titan_training` sets to torchtitan's defaults):
         ``OptimizersContainer`` over ``default_adamw(lr, betas, eps, weight_decay)`` (one AdamW
         group, decay on every parameter; ``implementation="for-loop"``: torchtitan's default
         "fused" is CUDA's kernel, the single-tensor path is torch's reference AdamW),
         ``LRSchedulersContainer.Config(warmup_steps, decay_ratio, decay_type, min_lr_factor)
-        .build(training_steps=tcfg.steps)``, and the bias hook when ``bias_hook`` (a stand-in for
+        .build(training_steps=cfg.train.steps)``, and the bias hook when ``bias_hook`` (a stand-in for
         ``ParallelDims``: no mesh, no EP/TP). -> {"losses", "params" (by torchtitan name),
         "bias" [Lm, E] or None, "counts" [Lm, E] per step, "routing" (per step, with ``moe``, jaxmoe's
         moe section: :func:`parity.checks.routing_record`), "params1", "bias1"}."""
@@ -194,12 +194,13 @@ class TitanSide:
         )
         from torchtitan.distributed import utils as dist_utils
 
+        tcfg = cfg.optim
         if tcfg.optimizer != "adamw":
             raise UserError("--reference torchtitan --steps N: the torchtitan side runs torchtitan's AdamW "
-                            f"(train.optimizer=adamw), not {tcfg.optimizer!r} (its Muon needs a device mesh)")
+                            f"(optim.optimizer=adamw), not {tcfg.optimizer!r} (its Muon needs a device mesh)")
         # torchtitan's own rules whatever jaxmoe's options say (decay on every parameter, its
         # warmup-stable-decay from the titan_* fields, its bias rule): a jaxmoe option set otherwise
-        # (train.decay_norms=false, train.schedule=wsd, moe.bias_update_rule=sign) shows as a divergence
+        # (optim.decay_norms=false, optim.schedule=wsd, moe.bias_update_rule=sign) shows as a divergence
         self._attach(self._build())  # fresh weights: the forward/grad checks must not leak in
         model = self.model
         opt_cfg = default_adamw(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps,
@@ -208,7 +209,7 @@ class TitanSide:
         optimizers = OptimizersContainer(opt_cfg, model_parts=[model])
         sched = LRSchedulersContainer.Config(
             warmup_steps=tcfg.warmup_steps, decay_ratio=tcfg.titan_decay_ratio, decay_type=tcfg.titan_decay_type,
-            min_lr_factor=tcfg.min_lr_ratio).build(optimizers=optimizers, training_steps=tcfg.steps)
+            min_lr_factor=tcfg.min_lr_ratio).build(optimizers=optimizers, training_steps=cfg.train.steps)
         blocks = self.moe_blocks()
         if bias_hook:
             register_moe_load_balancing_hook(optimizers, [model], NoParallelism())

@@ -148,7 +148,7 @@ BFLOAT16_FORCED = Tolerances(
 BFLOAT16_ADAMW = dataclasses.replace(BFLOAT16_FORCED, name="bfloat16-adamw", grad_rel_l2=None,
                                      step_param_rel_l2=None, step_flip_frac=None)
 
-# Muon (fp32 compute), two profiles by where Newton-Schulz rounds (train.muon_ns_dtype):
+# Muon (fp32 compute), two profiles by where Newton-Schulz rounds (optim.muon_ns_dtype):
 #
 # * float32-muon (the parity default: python -m parity sets muon_ns_dtype=float32 unless --set
 #   says otherwise): fp32 NS on both sides (jaxmoe's, torch_ref.muon.Muon: torch.optim.Muon's
@@ -164,7 +164,7 @@ BFLOAT16_ADAMW = dataclasses.replace(BFLOAT16_FORCED, name="bfloat16-adamw", gra
 #       first update 5.6e-4, step losses 4.5e-7, step params 2.8e-6, no flip (316 checks pass;
 #       with bf16 NS the same command failed here: step-8 loss 2.7e-3, 1.8% of assignments flipped)
 #   i.e. Muon now agrees as AdamW does (AdamW: 3.1e-6 / 2.1e-5 / 1.7e-3); tolerances ~7x the worst.
-# * float32-muon-bf16ns (--set train.muon_ns_dtype=bfloat16: torch.optim.Muon itself): each update
+# * float32-muon-bf16ns (--set optim.muon_ns_dtype=bfloat16: torch.optim.Muon itself): each update
 #   agrees only to bf16 resolution, as below. Measured (before fp32 NS existed):
 #   python -m parity run --preset tiny --optimizer muon --profile fast (init scale 8)
 #     first update 4.0e-2 (rel L2; an expert's 32 x 64 matrix), step losses 1.3e-6, step params

@@ -1,4 +1,4 @@
-"""Attention kernels: ``jax.nn.dot_product_attention`` (train.attention_kernel=dot_product) equals
+"""Attention kernels: ``jax.nn.dot_product_attention`` (compute.attention_kernel=dot_product) equals
 the explicit scores (fp32: rel <= 1e-6 on the output and every gradient), for GQA, for MLA's
 unequal q/k and v head dims (zero padding), and through the whole model's loss and gradients."""
 
@@ -94,7 +94,7 @@ def test_model_loss_and_grads_equal_across_kernels(preset):
     batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:], "mask": jnp.ones((b, s), jnp.float32)}
     out = {}
     for kernel in ("explicit", "dot_product"):
-        cfg = load_config(preset, overrides=[f"train.seq_len={s}", f"train.attention_kernel={kernel}"])
+        cfg = load_config(preset, overrides=[f"train.seq_len={s}", f"compute.attention_kernel={kernel}"])
         params, buffers = init_params(cfg, 0)
         f = jax.jit(jax.value_and_grad(lambda p: model_loss(Model(cfg), p, buffers, batch)[0]))
         out[kernel] = f(params)
@@ -108,4 +108,4 @@ def test_model_loss_and_grads_equal_across_kernels(preset):
 
 def test_unknown_kernel_is_a_config_error():
     with pytest.raises(ConfigError, match="attention_kernel"):
-        load_config("tiny", overrides=["train.attention_kernel=flash"])
+        load_config("tiny", overrides=["compute.attention_kernel=flash"])

@@ -27,14 +27,14 @@ BENCH = ("moe.compute_path=auto", "train.batch_size=8", "train.seq_len=256", "mo
 ])
 def test_resolution_table_per_backend(backend, path, attn, unroll, monkeypatch):
     cfg = _cfg(*BENCH)
-    assert (cfg.moe.compute_path, cfg.train.attention_kernel, cfg.train.scan_unroll,
-            cfg.train.ce_chunk_tokens) == ("auto", "auto", "auto", "auto")
-    want = {"moe.compute_path": path, "train.attention_kernel": attn, "train.scan_unroll": unroll,
-            "train.ce_chunk_tokens": 1024}
+    assert (cfg.moe.compute_path, cfg.compute.attention_kernel, cfg.compute.scan_unroll,
+            cfg.compute.ce_chunk_tokens) == ("auto", "auto", "auto", "auto")
+    want = {"moe.compute_path": path, "compute.attention_kernel": attn, "compute.scan_unroll": unroll,
+            "compute.ce_chunk_tokens": 1024}
     assert auto_choices(cfg, backend) == want
     got = resolve_auto(cfg, backend)
-    assert (got.moe.compute_path, got.train.attention_kernel, got.train.scan_unroll,
-            got.train.ce_chunk_tokens) == (path, attn, unroll, 1024)
+    assert (got.moe.compute_path, got.compute.attention_kernel, got.compute.scan_unroll,
+            got.compute.ce_chunk_tokens) == (path, attn, unroll, 1024)
     assert cfg.moe.compute_path == "auto"  # the asked config is not mutated
     import jax  # backend=None asks jax
 
@@ -53,12 +53,12 @@ def test_resolution_table_per_backend(backend, path, attn, unroll, monkeypatch):
 ])
 def test_resolution_by_shape(sets, unroll, chunk):
     got = auto_choices(_cfg(*BENCH, *sets), "cpu")
-    assert (got["train.scan_unroll"], got["train.ce_chunk_tokens"]) == (unroll, chunk)
+    assert (got["compute.scan_unroll"], got["compute.ce_chunk_tokens"]) == (unroll, chunk)
 
 
 def test_explicit_values_untouched():
-    cfg = _cfg("moe.compute_path=dense", "train.attention_kernel=dot_product", "train.scan_unroll=2",
-               "train.ce_chunk_tokens=512")
+    cfg = _cfg("moe.compute_path=dense", "compute.attention_kernel=dot_product", "compute.scan_unroll=2",
+               "compute.ce_chunk_tokens=512")
     for backend in ("cpu", "cuda", "tpu"):
         assert auto_choices(cfg, backend) == {}
         assert resolve_auto(cfg, backend) is cfg  # the very object: nothing to resolve
@@ -66,17 +66,18 @@ def test_explicit_values_untouched():
     assert tiny.moe.compute_path == "blocked" and "moe.compute_path" not in auto_choices(tiny, "tpu")
     assert resolve_auto(tiny, "tpu").moe.compute_path == "blocked"
     # ragged_kernel=mosaic_gpu applies to the ragged path: auto picks it, on any backend
-    m = _cfg("moe.compute_path=auto", "moe.ragged_kernel=mosaic_gpu", "train.dtype=bfloat16",
+    m = _cfg("moe.compute_path=auto", "moe.ragged_kernel=mosaic_gpu", "compute.dtype=bfloat16",
              "model.d_model=64", "moe.expert_ffn_dim=64")
     assert auto_choices(m, "cuda")["moe.compute_path"] == "ragged"
 
 
 def test_auto_parsing_and_errors():
-    cfg = _cfg("train.scan_unroll=3", "train.ce_chunk_tokens=auto")
-    assert (cfg.train.scan_unroll, cfg.train.ce_chunk_tokens) == (3, "auto")
-    back = tomllib.loads(config_to_toml(cfg))["train"]
+    cfg = _cfg("compute.scan_unroll=3", "compute.ce_chunk_tokens=auto")
+    assert (cfg.compute.scan_unroll, cfg.compute.ce_chunk_tokens) == (3, "auto")
+    back = tomllib.loads(config_to_toml(cfg))["compute"]
     assert (back["scan_unroll"], back["ce_chunk_tokens"]) == (3, "auto")
-    for bad, key in (("train.scan_unroll=fast", "train.scan_unroll"), ("train.ce_chunk_tokens=-1", "ce_chunk_tokens"),
+    for bad, key in (("compute.scan_unroll=fast", "compute.scan_unroll"),
+                     ("compute.ce_chunk_tokens=-1", "ce_chunk_tokens"),
                      ("moe.compute_path=fastest", "moe.compute_path")):
         with pytest.raises(ConfigError, match=key):
             _cfg(bad)
@@ -102,8 +103,8 @@ def test_model_resolves_and_run_dir_records(tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--steps", "1", "--stop-after", "0",
                  "--set", "moe.compute_path=auto", "--out", str(out)]) == 0
     rec = json.loads((out / "run.json").read_text())
-    assert rec["resolved"] == {"backend": "cpu", "moe.compute_path": "blocked", "train.attention_kernel": "explicit",
-                               "train.scan_unroll": 0, "train.ce_chunk_tokens": 0}
+    assert rec["resolved"] == {"backend": "cpu", "moe.compute_path": "blocked", "compute.attention_kernel": "explicit",
+                               "compute.scan_unroll": 0, "compute.ce_chunk_tokens": 0}
     saved = tomllib.loads((out / "config.toml").read_text())  # the asked config: auto stays auto
-    assert saved["moe"]["compute_path"] == "auto" and saved["train"]["scan_unroll"] == "auto"
+    assert saved["moe"]["compute_path"] == "auto" and saved["compute"]["scan_unroll"] == "auto"
     assert "auto (cpu): moe.compute_path=blocked" in capsys.readouterr().err

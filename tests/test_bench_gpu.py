@@ -138,8 +138,8 @@ def test_memory_only_dry_run(tmp_path):
     for v in res["variants"]:
         assert v["remat"] == "save_dots"
         # the autos as a GPU run resolves them (the CPU rules would unroll the layer scan)
-        assert v["resolved"]["train.scan_unroll"] == 1 and v["resolved"]["train.ce_chunk_tokens"] == 0
-        assert v["resolved"]["train.attention_kernel"] == "dot_product" and "train.scan_unroll" in v["auto_fields"]
+        assert v["resolved"]["compute.scan_unroll"] == 1 and v["resolved"]["compute.ce_chunk_tokens"] == 0
+        assert v["resolved"]["compute.attention_kernel"] == "dot_product" and "compute.scan_unroll" in v["auto_fields"]
         c = v["cuda_stablehlo"]  # lowered as on a GPU: cuDNN attention, no score tensor, no ragged_dot
         assert c["cudnn_attention_calls"] >= 2 and c["score_tensors"] == [] and c["chlo_ragged_dot"] == 0, c
         ma = v["memory_analysis_bytes"]

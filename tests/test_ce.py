@@ -1,4 +1,4 @@
-"""Chunked cross-entropy (train.ce_chunk_tokens): equals the whole-logits CE and z-loss (fp32:
+"""Chunked cross-entropy (compute.ce_chunk_tokens): equals the whole-logits CE and z-loss (fp32:
 rel <= 1e-6 on the values and every gradient), with a masked, unevenly chunked batch, through the
 model with micro-batches and tied embeddings; the compiled step holds no [T, V] logits."""
 
@@ -76,7 +76,7 @@ def test_model_grads_equal_with_chunked_ce(tied):
         cfg = load_config("tiny", overrides=[
             f"train.seq_len={s}", f"train.batch_size={b}", "train.micro_batches=2",
             "train.z_loss_coef=0.1", f"model.tie_embeddings={str(tied).lower()}",
-            f"train.ce_chunk_tokens={chunk}"])
+            f"compute.ce_chunk_tokens={chunk}"])
         params, buffers = init_params(cfg, 0)
         compiled = jax.jit(make_grad_fn(Model(cfg))).lower(params, buffers, batch).compile()
         out[chunk] = compiled(params, buffers, batch)
@@ -94,4 +94,4 @@ def test_model_grads_equal_with_chunked_ce(tied):
 
 def test_negative_chunk_is_a_config_error():
     with pytest.raises(ConfigError, match="ce_chunk_tokens"):
-        load_config("tiny", overrides=["train.ce_chunk_tokens=-1"])
+        load_config("tiny", overrides=["compute.ce_chunk_tokens=-1"])

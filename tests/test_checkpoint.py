@@ -38,12 +38,12 @@ def params_tree(seed=0):
 
 def full_state(seed=0):
     """params, buffers, a Muon+AdamW optax state after one update, a typed rng key, a step."""
-    tcfg = load_config("tiny", overrides=["train.optimizer=muon"]).train
+    cfg = load_config("tiny", overrides=["optim.optimizer=muon"])
     params = params_tree(seed)
     params32 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
     groups = {"embed": "embed", "lm_head": "head",
               "moe": {"attn_norm": "vector", "experts": {"gate_proj": "matrix"}, "router": "matrix"}}
-    tx = build_optimizer(tcfg, params32, groups)
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params32, groups)
     opt_state = tx.init(params32)
     grads = jax.tree_util.tree_map(lambda x: jnp.cos(x + seed), params32)
     _, opt_state = tx.update(grads, opt_state, params32)

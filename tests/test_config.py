@@ -67,7 +67,7 @@ def test_tiny_counts_by_hand():
         (["model.first_k_dense=5"], "model.first_k_dense"),
         (["moe.compute_path=magic"], "moe.compute_path"),
         (["model.head_dim=15"], "model.head_dim"),
-        (["train.scan_unroll=-1"], "train.scan_unroll"),
+        (["compute.scan_unroll=-1"], "compute.scan_unroll"),
     ],
 )
 def test_bad_configs_one_line_errors(overrides, key):
@@ -98,7 +98,52 @@ def test_unknown_preset_and_file(tmp_path):
 
 
 def test_overrides_are_typed():
-    cfg = load_config("tiny", overrides=["train.lr=0.5", "moe.norm_topk_prob=false", "train.steps=7"])
-    assert cfg.train.lr == 0.5 and cfg.moe.norm_topk_prob is False and cfg.train.steps == 7
+    cfg = load_config("tiny", overrides=["optim.lr=0.5", "moe.norm_topk_prob=false", "train.steps=7"])
+    assert cfg.optim.lr == 0.5 and cfg.moe.norm_topk_prob is False and cfg.train.steps == 7
     roundtrip = json.loads(cfg.to_json())
     assert roundtrip["train"]["steps"] == 7
+
+
+def test_old_train_keys_still_work_with_one_notice(tmp_path, capsys):
+    """train.* keys that moved to compute/optim/data/checkpoint keep working in --set, in a config
+    file and in the dict of a saved run, each with one line of notice per process."""
+    from jaxmoe.config import config_from_dict, parse_override
+    from jaxmoe.config import load as load_mod
+    from jaxmoe.config.schema import MOVED_KEYS
+
+    load_mod._NOTICED.clear()
+    cfg = load_config("tiny", overrides=["train.lr=0.25", "train.dtype=bfloat16", "train.data=tokens:x.npy",
+                                         "train.checkpoint_every=7", "train.data_workers=2"])
+    assert (cfg.optim.lr, cfg.compute.dtype, cfg.data.source, cfg.checkpoint.every, cfg.data.workers) == (
+        0.25, "bfloat16", "tokens:x.npy", 7, 2)
+    err = capsys.readouterr().err.splitlines()
+    assert "note: train.lr is now optim.lr (the old key still works)" in err
+    assert "note: train.data is now data.source (the old key still works)" in err
+    assert len(err) == 5, err
+    load_config("tiny", overrides=["train.lr=0.5"])  # the second use: no new line
+    assert capsys.readouterr().err == ""
+    f = tmp_path / "old.toml"
+    f.write_text('preset = "tiny"\n[train]\nremat = "full"\nkeep_checkpoints = 5\nsteps = 3\n')
+    cfg = load_config(path=f)
+    assert (cfg.compute.remat, cfg.checkpoint.keep, cfg.train.steps) == ("full", 5, 3)
+    assert len(capsys.readouterr().err.splitlines()) == 2
+    old = config_from_dict({"train": {"muon_lr": 0.1, "seed": 4}})  # a checkpoint's saved config
+    assert (old.optim.muon_lr, old.train.seed) == (0.1, 4)
+    assert parse_override("train.grad_clip=2")[:2] == ("optim", "grad_clip")  # --set keys, where they live now
+    # every moved key lands on a field that exists, and the new section has no train.* twin
+    for (_, k), (s, nk) in MOVED_KEYS.items():
+        assert hasattr(getattr(load_config("tiny"), s), nk), (k, s, nk)
+        assert not hasattr(load_config("tiny").train, k), k
+    with pytest.raises(ConfigError, match="unknown config key train.lrr"):
+        load_config("tiny", overrides=["train.lrr=1"])
+
+
+def test_the_model_reads_no_train_section():
+    """The model's modules read compute.* (dtype, kernels, remat), never train.*."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "jaxmoe" / "model"
+    bad = [f"{f.name}:{n.lineno}" for f in root.glob("*.py") for n in ast.walk(ast.parse(f.read_text()))
+           if isinstance(n, ast.Attribute) and n.attr == "train"]
+    assert not bad, bad

@@ -78,6 +78,15 @@ def test_orbax_to_hf_runs_jax_against_transformers(run_dir, tmp_path, capsys):
     assert len(v["hidden_rel_max_abs"]) == 1  # tiny: 2 layers -> layer 0's output compared
 
 
+def test_orbax_to_orbax_says_both_sides_are_jax(run_dir, tmp_path, capsys):
+    rc = main(["convert", "--from", f"orbax:{run_dir}", "--to", f"orbax:{tmp_path}/copy", "--verify", "--json"])
+    cap = capsys.readouterr()
+    v = json.loads(cap.out)["verify"]
+    assert rc == 0 and (v["src_framework"], v["dst_framework"]) == ("jax", "jax")
+    note = [n for n in v["notes"] if "both sides run in jaxmoe" in n]
+    assert len(note) == 1 and note[0] in cap.err and "not the mapping" in note[0]
+
+
 @pytest.mark.parametrize("mode", ["swap", "transpose"])
 def test_orbax_to_hf_mapping_error_is_caught(run_dir, tmp_path, capsys, monkeypatch, mode):
     orig = HfTensorSink.write_leaf

@@ -14,7 +14,7 @@ from jaxmoe.errors import UserError
 
 
 def cfg_for(data="default", **train):
-    sets = [f"train.data={data}", "train.seq_len=16", "train.batch_size=4"]
+    sets = [f"data.source={data}", "train.seq_len=16", "train.batch_size=4"]
     sets += [f"train.{k}={v}" for k, v in train.items()]
     return load_config("tiny", overrides=sets)
 

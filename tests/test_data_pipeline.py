@@ -19,7 +19,7 @@ KEYS = ("inputs", "targets", "mask", "segment_ids", "positions")
 
 
 def cfg_for(data, **train):
-    sets = [f"train.data={data}", "train.seq_len=16", "train.batch_size=4", "model.vocab_size=512"]
+    sets = [f"data.source={data}", "train.seq_len=16", "train.batch_size=4", "model.vocab_size=512"]
     return load_config("tiny", overrides=sets + [f"train.{k}={v}" for k, v in train.items()])
 
 
@@ -175,16 +175,16 @@ def test_read_time_vocab_check_names_the_document(monkeypatch):
 def _bad(tmp):
     np.arange(300, dtype=np.uint16).tofile(tmp / "big.bin")
     return [
-        ([f"train.data=tokens:{tmp}/big.bin", "model.vocab_size=256"], "token id 299 but model.vocab_size=256"),
-        ([f"train.data=mix:0*default,1*tokens:{tmp}/big.bin"], "weight 0 of default must be > 0"),
-        (["train.data=mix:-1*default"], "must be > 0"),
-        (["train.data=mix:0.5default"], "is not WEIGHT*SPEC"),
-        (["train.data=mix:x*default"], "is not a number"),
-        (["train.data=mix:1*default,1*default"], "twice"),
-        (["train.packing=rows"], "train.packing"),
-        ([f"train.data=tokens:{tmp}/big.bin", "train.packing=documents"], "set train.doc_sep_id"),
-        (["train.data_workers=-1"], "train.data_workers=-1 must be >= 0"),
-        (["train.mask_doc_start=true"], "needs train.packing=documents"),
+        ([f"data.source=tokens:{tmp}/big.bin", "model.vocab_size=256"], "token id 299 but model.vocab_size=256"),
+        ([f"data.source=mix:0*default,1*tokens:{tmp}/big.bin"], "weight 0 of default must be > 0"),
+        (["data.source=mix:-1*default"], "must be > 0"),
+        (["data.source=mix:0.5default"], "is not WEIGHT*SPEC"),
+        (["data.source=mix:x*default"], "is not a number"),
+        (["data.source=mix:1*default,1*default"], "twice"),
+        (["data.packing=rows"], "data.packing"),
+        ([f"data.source=tokens:{tmp}/big.bin", "data.packing=documents"], "set data.doc_sep_id"),
+        (["data.workers=-1"], "data.workers=-1 must be >= 0"),
+        (["data.mask_doc_start=true"], "needs data.packing=documents"),
     ]
 
 
@@ -209,8 +209,8 @@ def test_bad_input_table(tmp_path, capsys):
 @pytest.mark.slow
 def test_train_stopped_and_resumed_equals_uninterrupted_with_workers(tmp_path, docs_file):
     common = ["--preset", "tiny", "--set", "train.batch_size=4", "--set", "train.seq_len=16",
-              "--set", f"train.data=mix:1*tokens:{docs_file}/lo.npy,1*tokens:{docs_file}/docs.npy",
-              "--set", "train.data_workers=2", "--set", "train.eval_every=0", "--steps", "6",
+              "--set", f"data.source=mix:1*tokens:{docs_file}/lo.npy,1*tokens:{docs_file}/docs.npy",
+              "--set", "data.workers=2", "--set", "train.eval_every=0", "--steps", "6",
               "--checkpoint-every", "3"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert cli_main(["train", "--quiet", *common, "--out", str(full)]) == 0
@@ -282,5 +282,5 @@ def test_seek_batch_position_of_another_frameworks_run(docs_file):
     got = src.next_batch()
     assert all(np.array_equal(got[k], want[k]) for k in want)
     docs = make_data(cfg_for(flat, packing="documents", doc_sep_id=0))
-    with pytest.raises(UserError, match="only one tokens:/default source in train.packing=windows"):
+    with pytest.raises(UserError, match="only one tokens:/default source in data.packing=windows"):
         docs.restore({"seek_batch": 3})

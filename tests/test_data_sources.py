@@ -200,7 +200,7 @@ def test_tokenize_equals_encode_plus_eot(tmp_path):
     assert isinstance(b, ByteTokenizer) and (b.vocab_size, b.eot_id) == (256, None)
     assert b.encode("hé").tolist() == [104, 195, 169] and b.decode([104, 195, 169]) == "hé"
     for none in (None, ""):
-        with pytest.raises(UserError, match=r"text data needs a tokenizer: --set train.tokenizer="):
+        with pytest.raises(UserError, match=r"text data needs a tokenizer: --set data.tokenizer="):
             Tokenize(none)
     with pytest.raises(UserError, match="tokenizer file .*none.json does not exist"):
         Tokenize(str(tmp_path / "none.json"))

@@ -25,8 +25,8 @@ MESHES = {"fsdp2xexpert4": dict(replica=1, fsdp=2, expert=4, tensor=1),
 
 
 def _cfg(placement="owner"):
-    return load_config("tiny", overrides=["train.optimizer=muon", "train.muon_ns_dtype=float32",
-                                          "train.grad_clip=0", f"train.muon_placement={placement}"])
+    return load_config("tiny", overrides=["optim.optimizer=muon", "optim.muon_ns_dtype=float32",
+                                          "optim.grad_clip=0", f"optim.muon_placement={placement}"])
 
 
 def _flat(tree, prefix=""):
@@ -102,7 +102,7 @@ def test_owner_placed_reads_shardings_not_rules():
 
 def _run(cfg, params, grads, shardings):
     groups = declared_groups(cfg)
-    tx = build_optimizer(cfg.train, params, groups, shardings)
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, groups, shardings)
     if shardings is not None:
         params = jax.device_put(params, shardings)
     state = tx.init(params)

@@ -31,10 +31,10 @@ from jaxmoe.plan.lower import lower_abstract
 G, D, F, B, S, K_TOP = 4, 48, 80, 2, 24, 2  # experts, d_model, expert FFN, batch, seq, top-k
 ROWS = B * S * K_TOP  # 96 assignment rows, distinct from every weight dim
 
-_BASE = {"train.dtype": "bfloat16", "model.d_model": D, "moe.expert_ffn_dim": F, "moe.n_experts": G,
+_BASE = {"compute.dtype": "bfloat16", "model.d_model": D, "moe.expert_ffn_dim": F, "moe.n_experts": G,
          "moe.top_k": K_TOP, "model.n_heads": 4, "model.n_kv_heads": 2, "model.head_dim": 16,
          "train.batch_size": B, "train.seq_len": S, "model.max_seq_len": S, "model.n_layers": 2,
-         "model.first_k_dense": 0, "train.attention_kernel": "dot_product", "train.optimizer": "adamw"}
+         "model.first_k_dense": 0, "compute.attention_kernel": "dot_product", "optim.optimizer": "adamw"}
 
 
 def _cfg(**path):

@@ -142,7 +142,7 @@ def test_mosaic_kernels_lower_for_cuda(monkeypatch):
 
 
 def _cfg(**sets):
-    base = {"moe.compute_path": "ragged", "moe.ragged_kernel": "mosaic_gpu", "train.dtype": "bfloat16",
+    base = {"moe.compute_path": "ragged", "moe.ragged_kernel": "mosaic_gpu", "compute.dtype": "bfloat16",
             "model.d_model": 64, "moe.expert_ffn_dim": 128, "model.n_heads": 4, "model.n_kv_heads": 2,
             "model.head_dim": 16}
     base.update(sets)
@@ -151,7 +151,7 @@ def _cfg(**sets):
 
 @pytest.mark.parametrize("sets, needle", [
     ({"moe.compute_path": "blocked"}, "applies to moe.compute_path='ragged' only"),
-    ({"train.dtype": "float32"}, "needs train.dtype=bfloat16"),
+    ({"compute.dtype": "float32"}, "needs compute.dtype=bfloat16"),
     ({"moe.expert_ffn_dim": 96}, "moe.expert_ffn_dim=96"),
     ({"moe.ragged_kernel": "cutlass"}, "moe.ragged_kernel='cutlass' is not one of: xla, mosaic_gpu"),
 ])

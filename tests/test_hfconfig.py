@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from jaxmoe.config import Config, ConfigError, list_presets, load_config
+from jaxmoe.config import SECTIONS, Config, ConfigError, list_presets, load_config
 from jaxmoe.config.hf import from_hf_config, to_hf_config
 
 # moe fields config.json carries (the rest, e.g. compute_path, come from `base`)
@@ -24,7 +24,7 @@ def _as_imported(cfg: Config) -> Config:
     (e.g. moe.lb_scope = "pooled" for Qwen3/Mixtral) and dropless routing."""
     from jaxmoe.archs import get_arch
 
-    out = Config(**{s: dataclasses.replace(getattr(cfg, s)) for s in ("model", "moe", "mesh", "train")},
+    out = Config(**{s: dataclasses.replace(getattr(cfg, s)) for s in SECTIONS},
                  description=cfg.description)
     get_arch(cfg.model.hf_arch).apply_import(out)
     out.moe.capacity_factor = out.mesh.a2a_capacity_factor = 0.0

@@ -10,7 +10,7 @@ import pytest
 _PROBE = textwrap.dedent(
     """
     import ctypes, ctypes.util
-    from jaxmoe import host_alloc
+    from jaxmoe.train import host_alloc
     first = host_alloc.keep_freed_memory()
     second = host_alloc.keep_freed_memory()
     # With M_MMAP_MAX=0 a 64 MiB block must come from the heap (brk), so the heap's size,

@@ -3,6 +3,9 @@ the project's modules (function-level imports and package ``__init__`` edges inc
 above 500 lines."""
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -193,3 +196,51 @@ def test_the_dispatcher_is_bound_when_the_model_is_built():
                 if "dispatch" in names:
                     bad.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert not bad, f"functions taking a dispatch= argument: {bad}"
+
+
+MAX_FUNCTION_LINES = 100
+
+
+@pytest.mark.parametrize("folder", ["jaxmoe", "torch_ref", "parity", "bench"])
+def test_no_function_above_100_lines(folder):
+    """Every function of the product, the reference, the parity suites and the benchmarks reads on
+    one screen or two (split it by what its parts do)."""
+    long = {}
+    for f in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{f.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
+    assert not long, f"functions above {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_top_level_holds_few_modules():
+    """The top of jaxmoe/ holds the command, the public API and the helpers every layer uses; the
+    rest lives in the packages of LAYERS."""
+    top = sorted(p.name for p in (ROOT / "jaxmoe").glob("*.py"))
+    assert len(top) <= 10, top
+
+
+# a figure with a unit of time or speed: "3.68 s", "1.2 GB/s", "498 tok/s", "2-3 ms"
+_TIMING = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?(?:ms|us|s|sec|seconds|min|tok/s|MB/s|GB/s|GiB/s"
+                     r"|GFLOP/s|TFLOP/s|TF/s)(?![\w^/])")
+
+
+def _comment_texts(source: str):
+    """(line, text) of every comment and docstring-like string of a module's source."""
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT or (tok.type == tokenize.STRING
+                                           and tok.string.lstrip("rbuRBU").startswith(('"""', "'''"))):
+            for i, text in enumerate(tok.string.splitlines()):
+                yield tok.start[0] + i, text
+
+
+def test_no_timings_in_code_comments():
+    """Figures live in docs/MEASUREMENTS.md, each with its command; code keeps the reason."""
+    found = [f"{f.relative_to(ROOT)}:{line}: {text.strip()[:80]}"
+             for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))
+             for line, text in _comment_texts(f.read_text()) if _TIMING.search(text)]
+    assert not found, "timings in code comments (move them to docs/MEASUREMENTS.md):\n" + "\n".join(found)
+    assert list(_comment_texts("x = 1  # 3.68 -> 2.85 s median\n")) and _TIMING.search("ran 1.2 GB/s")
+    assert not _TIMING.search("2 s^2 l flops, 8 x 64 tokens")

@@ -34,8 +34,8 @@ def test_async_loop_equals_sync_loop(tmp_path):
 
 
 def test_non_finite_steps_skipped_at_the_same_steps_async(tmp_path, capsys):
-    bad = [*SMALL, "--steps", "30", "--set", "train.lr=1e30", "--set", "train.warmup_steps=0",
-           "--set", "train.grad_clip=0", "--set", "train.eval_every=0", "--set", "train.max_bad_steps=3",
+    bad = [*SMALL, "--steps", "30", "--set", "optim.lr=1e30", "--set", "optim.warmup_steps=0",
+           "--set", "optim.grad_clip=0", "--set", "train.eval_every=0", "--set", "train.max_bad_steps=3",
            "--checkpoint-every", "1"]
     a, s = tmp_path / "a", tmp_path / "s"
     assert cli(*bad, "--out", str(a)) == 3

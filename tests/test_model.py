@@ -165,7 +165,7 @@ def test_causality():
 
 def test_bf16_runs():
     cfg32 = _cfg("tiny")
-    cfg16 = _cfg("tiny", "train.dtype=bfloat16")
+    cfg16 = _cfg("tiny", "compute.dtype=bfloat16")
     params, buffers = init_params(cfg32, 0)
     batch = _batch()
     l16, m16, _, g16 = _loss_and_grads(cfg16, params, buffers, batch)
@@ -181,7 +181,7 @@ def test_remat_modes_match_none(mode):
     cfg = _cfg("tiny")
     params, buffers = init_params(cfg, 0)
     l0, _, _, g0 = _loss_and_grads(cfg, params, buffers, batch)
-    cfg_m = _cfg("tiny", f"train.remat={mode}")
+    cfg_m = _cfg("tiny", f"compute.remat={mode}")
     l, _, _, g = _loss_and_grads(cfg_m, params, buffers, batch)
     assert _rel(l, l0) <= 1e-6, mode
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
@@ -216,16 +216,16 @@ def _layer_scan_unrolls(cfg, params, buffers):
 
 
 def test_scan_unroll_matches_rolled_scan():
-    """train.scan_unroll: every layer unrolled (0) and 2 layers per iteration of a 3-layer stack
+    """compute.scan_unroll: every layer unrolled (0) and 2 layers per iteration of a 3-layer stack
     (one iteration and a remainder) give the rolled scan's loss and every gradient."""
     batch = _batch()
-    cfg = _cfg("tiny", "model.n_layers=3", "train.scan_unroll=1")  # the rolled scan (auto: 0 here)
+    cfg = _cfg("tiny", "model.n_layers=3", "compute.scan_unroll=1")  # the rolled scan (auto: 0 here)
     params, buffers = init_params(cfg, 0)
     l0, _, _, g0 = _loss_and_grads(cfg, params, buffers, batch)
     assert _layer_scan_unrolls(cfg, params, buffers) == [1]
     ref = jax.tree_util.tree_flatten_with_path(g0)[0]
     for unroll in (0, 2):
-        cfg_u = _cfg("tiny", "model.n_layers=3", f"train.scan_unroll={unroll}")
+        cfg_u = _cfg("tiny", "model.n_layers=3", f"compute.scan_unroll={unroll}")
         l, _, _, g = _loss_and_grads(cfg_u, params, buffers, batch)
         assert _rel(l, l0) <= 1e-6, unroll
         assert _layer_scan_unrolls(cfg_u, params, buffers) == [unroll or 3]

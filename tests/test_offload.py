@@ -1,5 +1,5 @@
-"""Host memory used by name: the optimizer state in pinned_host (train.offload_optimizer) and the
-named per-layer residuals offloaded by train.remat=offload -- placed in host memory (read from the
+"""Host memory used by name: the optimizer state in pinned_host (optim.offload_optimizer) and the
+named per-layer residuals offloaded by compute.remat=offload -- placed in host memory (read from the
 compiled HLO, the arrays' shardings and the gradient's residuals) and numerically identical to the
 run without offload over 5 steps; host-resident optimizer state saved and restored."""
 
@@ -18,8 +18,8 @@ from jaxmoe.train.optim import build_optimizer
 from jaxmoe.train.step import HOST_KIND, init_state, make_train_step, state_shardings
 
 STEPS = 5
-BASE = ["train.optimizer=muon", "train.batch_size=4", "train.seq_len=16", "train.steps=5",
-        "train.warmup_steps=1", "train.muon_ns_dtype=float32"]
+BASE = ["optim.optimizer=muon", "train.batch_size=4", "train.seq_len=16", "train.steps=5",
+        "optim.warmup_steps=1", "optim.muon_ns_dtype=float32"]
 
 
 def _cfg(*extra):
@@ -39,7 +39,7 @@ def _batches(cfg):
 
 def _train(cfg):
     """5 steps of the real train step; -> (losses, compiled step, final state)."""
-    tx = build_optimizer(cfg.train, abstract_params(cfg)[0], declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, abstract_params(cfg)[0], declared_groups(cfg))
     params, buffers = init_params(cfg, cfg.train.seed)
     state = init_state(cfg, tx, params, buffers)
     sh = state_shardings(cfg, jax.eval_shape(lambda: state))
@@ -71,7 +71,7 @@ def _entry_params(hlo: str) -> list[str]:
 
 def test_optimizer_state_in_pinned_host_same_losses():
     base_losses, base_c, base_state = _run()
-    losses, compiled, state = _run("train.offload_optimizer=true")
+    losses, compiled, state = _run("optim.offload_optimizer=true")
     assert losses == base_losses  # bit for bit: the same computation, other memory
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(base_state["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -84,8 +84,8 @@ def test_optimizer_state_in_pinned_host_same_losses():
 
 
 def test_host_resident_state_saves_and_restores(tmp_path):
-    cfg = _cfg("train.offload_optimizer=true")
-    _, _, state = _run("train.offload_optimizer=true")
+    cfg = _cfg("optim.offload_optimizer=true")
+    _, _, state = _run("optim.offload_optimizer=true")
     ck = Checkpointer(tmp_path / "ckpt", keep=2, async_save=False)
     ck.save(STEPS, state, {"step": STEPS})
     ck.wait()
@@ -103,13 +103,13 @@ def test_host_resident_state_saves_and_restores(tmp_path):
 @pytest.mark.slow
 def test_activation_offload_same_losses_and_residuals_in_host_memory():
     base_losses, _, base_state = _run()
-    losses, _, state = _run("train.remat=offload")
+    losses, _, state = _run("compute.remat=offload")
     np.testing.assert_allclose(losses, base_losses, rtol=1e-6, atol=0)
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(base_state["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     # the residuals the backward keeps: with remat=offload the per-layer [L, B, S, D] stacks of
     # the named values live in pinned_host; without it, nothing does
-    cfg = _cfg("train.remat=offload")
+    cfg = _cfg("compute.remat=offload")
     params, buffers = init_params(cfg, 0)
     batch = _batches(cfg)[0]
     m = cfg.model

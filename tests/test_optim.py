@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
-from jaxmoe.config.schema import TrainConfig
+from jaxmoe.config.schema import OptimConfig
 from jaxmoe.train.optim import (
     build_optimizer,
     clip_by_global_norm,
@@ -121,7 +121,7 @@ def test_param_labels_mla_and_unstacked():
 
 @pytest.mark.parametrize("norms,embeds", [(False, False), (True, False), (False, True)])
 def test_decay_mask(norms, embeds):
-    tcfg = TrainConfig(decay_norms=norms, decay_embeddings=embeds)
+    tcfg = OptimConfig(decay_norms=norms, decay_embeddings=embeds)
     groups = layout_groups(layout_params(np.random.default_rng(0)))
     mask = flat(decay_mask(groups, tcfg))
     labels = flat(param_labels(groups))
@@ -140,10 +140,11 @@ def test_decay_mask(norms, embeds):
 
 
 def sched(kind, **kw):
-    base = dict(steps=11, warmup_steps=2, min_lr_ratio=0.1, schedule=kind)
+    base = dict(warmup_steps=2, min_lr_ratio=0.1, schedule=kind)
+    steps = kw.pop("steps", 11)
     base.update(kw)
-    f = lr_schedule(TrainConfig(**base), 1.0)
-    return [float(f(s)) for s in range(base["steps"] + 2)]
+    f = lr_schedule(OptimConfig(**base), steps, 1.0)
+    return [float(f(s)) for s in range(steps + 2)]
 
 
 def test_schedule_cosine():
@@ -171,7 +172,7 @@ def test_schedule_wsd():
 
 
 def test_schedule_no_warmup_traced():
-    f = lr_schedule(TrainConfig(steps=5, warmup_steps=0, schedule="linear", min_lr_ratio=0.0), 2.0)
+    f = lr_schedule(OptimConfig(warmup_steps=0, schedule="linear", min_lr_ratio=0.0), 5, 2.0)
     vals = jax.jit(jax.vmap(f))(jnp.arange(5))
     np.testing.assert_allclose(vals, [2.0, 1.5, 1.0, 0.5, 0.0], atol=1e-7)
 
@@ -294,7 +295,7 @@ def _torch_groups(params_np, mask, tcfg):
 
 @pytest.mark.parametrize("clip", [0.0, 5.0])
 def test_adamw_matches_torch(clip):
-    tcfg = TrainConfig(optimizer="adamw", lr=0.01, warmup_steps=3, steps=STEPS, schedule="cosine",
+    tcfg = OptimConfig(optimizer="adamw", lr=0.01, warmup_steps=3, schedule="cosine",
                        beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=clip)
     rng = np.random.default_rng(4)
     params_np = layout_params(rng)
@@ -304,9 +305,9 @@ def test_adamw_matches_torch(clip):
     assert not all(mask.values()) and any(mask.values())
     tp, groups = _torch_groups(params_np, mask, tcfg)
     topt = torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps)
-    sched_fn = lr_schedule(tcfg, tcfg.lr)
+    sched_fn = lr_schedule(tcfg, STEPS, tcfg.lr)
 
-    tx = build_optimizer(tcfg, params_np, layout_groups(params_np))
+    tx = build_optimizer(tcfg, STEPS, params_np, layout_groups(params_np))
     params = jax.tree_util.tree_map(jnp.asarray, params_np)
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -346,14 +347,14 @@ def test_clip_matches_torch_rule():
 def test_build_optimizer_muon_routes_leaves():
     """With optimizer=muon, "muon" leaves get exactly the standalone Muon update and the rest
     exactly the standalone AdamW update (clipping off)."""
-    tcfg = TrainConfig(optimizer="muon", grad_clip=0.0, lr=0.01, muon_lr=0.03, warmup_steps=0,
+    tcfg = OptimConfig(optimizer="muon", grad_clip=0.0, lr=0.01, muon_lr=0.03, warmup_steps=0,
                        schedule="constant", muon_ns_dtype="float32")
     rng = np.random.default_rng(5)
     params = jax.tree_util.tree_map(jnp.asarray, layout_params(rng))
     grads = [jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32),
                                     params) for _ in range(3)]
     groups = layout_groups(params)
-    tx = build_optimizer(tcfg, params, groups)
+    tx = build_optimizer(tcfg, 60, params, groups)
     ref_m = muon(0.03, momentum=tcfg.muon_momentum, nesterov=tcfg.muon_nesterov,
                  weight_decay=tcfg.muon_weight_decay, ns_dtype="float32")
     ref_a = optax.adamw(0.01, b1=tcfg.beta1, b2=tcfg.beta2, eps=tcfg.eps,

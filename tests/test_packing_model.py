@@ -151,7 +151,7 @@ def test_model_packed_row_equals_documents_alone(preset, kernel):
     of its own row (plain causal, positions 0..S-1), in jaxmoe and in torch_ref; jaxmoe's packed logits equal
     torch_ref's; padding gives finite logits. (The other kernel of each preset: the attention test
     above and the parity test below.)"""
-    cfg = load_config(preset, overrides=[f"train.attention_kernel={kernel}"])
+    cfg = load_config(preset, overrides=[f"compute.attention_kernel={kernel}"])
     s, lengths = 24, [7, 10, 5]
     rng = np.random.default_rng(0)
     toks = rng.integers(0, cfg.model.vocab_size, (1, s)).astype(np.int32)
@@ -292,7 +292,7 @@ def test_one_document_per_row_is_bitwise_the_unpacked_batch():
         kp, kb = (params, buffers) if preset == "tiny" else init_params(load_config(preset), 0)
         for kernel in ("explicit", "dot_product"):
             kcfg = load_config(preset, overrides=["train.batch_size=2", "train.seq_len=16",
-                                                  f"train.attention_kernel={kernel}"])
+                                                  f"compute.attention_kernel={kernel}"])
             jp = str(jax.make_jaxpr(lambda x, c=kcfg, p=kp, b=kb: model_loss(Model(c), p, b, x)[0])(plain))
             jd = str(jax.make_jaxpr(lambda x, c=kcfg, p=kp, b=kb: model_loss(Model(c), p, b, x)[0])(one_doc))
             assert not any(m in jp for m in masks) and any(m in jd for m in masks), (preset, kernel)

@@ -95,6 +95,19 @@ def test_cli_bad_input_is_one_line_error(capsys):
     assert err.startswith("parity: error:") and "no-such-preset" in err and "\n" not in err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--preset", "tiny-mla"], "--preset"), (["--reference", "hf"], "--reference"),
+    (["--reference", "torchtitan", "--titan", "deepseek_v3/debugmodel"], "--reference, --titan"),
+    (["--titan-set", "moe.router.score_func=sigmoid"], "--titan-set"), (["--packed"], "--packed")])
+def test_run_all_refuses_the_flags_it_would_ignore(flags, named, capsys, tmp_path):
+    from parity.__main__ import main
+
+    assert main(["run", "--all", "--out", str(tmp_path / "all"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("parity: error: run --all") and f"drop {named} " in err and "\n" not in err, err
+    assert not (tmp_path / "all").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # end to end (fast profile)
 # --------------------------------------------------------------------------------------------
@@ -137,7 +150,7 @@ def test_forced_routing_replays_the_other_side():
 
 # The CI subset of the self-test: the forward faults, the backward fault and the optimizer and
 # balance faults on tiny-mla (they share one jax training of one step and the cached forward).
-# The mesh fault (a subprocess) and the Muon fault run in the full self-test (slow, below).
+# The mesh fault (a subprocess) and the Muon fault: test_mesh_and_muon_faults_caught (below).
 CI_FAULTS = ("baseline (tiny-mla)", "baseline (tiny)", "baseline (tiny, no renorm)", "rmsnorm-eps", "rope-layout",
              "softmax-after-topk", "expert-weight", "missing-route-scale", "blocked-vjp-backward",
              "adamw-no-bias-correction", "decay-on-norms", "bias-not-centred")
@@ -160,6 +173,22 @@ def test_fault_injection_self_test():
 
 
 @pytest.mark.slow
+def test_mesh_and_muon_faults_caught():
+    """The self-test's faults outside CI_FAULTS (and outside test_titan's torchtitan faults): a
+    mesh dispatch fault in a subprocess and a transposed Muon update, with their baselines."""
+    from parity.faults import default_faults, selftest
+
+    faults = [f for f in default_faults()
+              if f.name not in CI_FAULTS and not f.name.startswith(("titan", "baseline (torchtitan"))]
+    assert {f.name for f in faults} == {"baseline (tiny-mla, muon)", "muon-transposed", "baseline (tiny-mla, mesh)",
+                                        "dispatch-slot-swap"}
+    ok, rows = selftest(profile="fast", faults=faults, log=None, jax_cache=JAX_CACHE)
+    assert ok, [r for r in rows if not r["ok"]]
+    assert all(r["caught"] and r["margin"] > 1 for r in rows if r["caught"] is not None)
+    assert all(r["margin"] < 1 for r in rows if r["caught"] is None)
+
+
+@pytest.mark.heavy  # every fault again, end to end through the CLI: the three tests above cover each fault
 def test_full_self_test_with_mesh_and_muon_faults(tmp_path):
     """``python -m parity selftest``: every fault (mesh dispatch in a subprocess, Muon) caught and
     localised, selftest.json in its schema."""

@@ -116,9 +116,9 @@ def memory_analyses():
     def get(preset, optimizer, remat):
         key = (preset, optimizer, remat)
         if key not in cache:
-            # train.scan_unroll=1: the planner models the rolled layer scan, what `auto` picks on
+            # compute.scan_unroll=1: the planner models the rolled layer scan, what `auto` picks on
             # a GPU; XLA:CPU here would otherwise compile auto's CPU choice (these layers unrolled)
-            cfg = plan_config(load_config(preset, overrides=["mesh.expert_axes=fsdp,expert", "train.scan_unroll=1"]),
+            cfg = plan_config(load_config(preset, overrides=["mesh.expert_axes=fsdp,expert", "compute.scan_unroll=1"]),
                               parse_mesh("fsdp=2,expert=4"), optimizer=optimizer, remat=remat)
             cache[key] = (cfg, compiled_memory(cfg))
         return cache[key]
@@ -170,7 +170,7 @@ def test_europa_lowered_show():
 
 
 def test_planned_batch_carries_the_document_keys_when_packing_documents():
-    """train.packing=documents: the planner's abstract batch has segment_ids/positions (int32,
+    """data.packing=documents: the planner's abstract batch has segment_ids/positions (int32,
     sharded like inputs), so the planned graph holds the document mask the real run computes."""
     from jax.sharding import AbstractMesh, AxisType
 
@@ -179,7 +179,7 @@ def test_planned_batch_carries_the_document_keys_when_packing_documents():
 
     mesh = AbstractMesh((1,) * len(AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
     for packing, extra in (("windows", set()), ("documents", {"segment_ids", "positions"})):
-        cfg = load_config("tiny", overrides=[f"train.packing={packing}"])
+        cfg = load_config("tiny", overrides=[f"data.packing={packing}"])
         _, _, batch = abstract_inputs(cfg, mesh)
         assert set(batch) == {"inputs", "targets", "mask"} | extra
         for k in extra:

@@ -143,7 +143,7 @@ B, S = 8, 16
 
 
 def _cfg(preset, **mesh):
-    cfg = load_config(preset, overrides=[f"train.batch_size={B}", f"train.seq_len={S}", "train.warmup_steps=2"])
+    cfg = load_config(preset, overrides=[f"train.batch_size={B}", f"train.seq_len={S}", "optim.warmup_steps=2"])
     return cfg.replace(mesh=dataclasses.replace(cfg.mesh, **mesh))
 
 
@@ -203,7 +203,7 @@ def _train_steps(cfg, ctx, n=5):
     from jaxmoe.train.step import init_state, make_train_step
 
     params, buffers = init_params(cfg, 0)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     state = init_state(cfg, tx, params, buffers)
     if ctx is not None:
         state = ctx.place_state(state)
@@ -298,7 +298,7 @@ def test_five_training_steps_match_single_device(preset, mesh_spec, kind, chunks
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         rel = np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)
         assert rel <= 1e-5, (jax.tree_util.keystr(kp), rel)
-        assert np.abs(x - y).max() <= 0.05 * 5 * cfg.train.lr, (jax.tree_util.keystr(kp), np.abs(x - y).max())
+        assert np.abs(x - y).max() <= 0.05 * 5 * cfg.optim.lr, (jax.tree_util.keystr(kp), np.abs(x - y).max())
     _close_tree(state["buffers"], ref_state["buffers"])
 
 
@@ -311,10 +311,10 @@ def test_state_restore_targets_and_optimizer_specs(optimizer):
     from jaxmoe.train.step import init_state
 
     cfg = _cfg("tiny")
-    cfg = cfg.replace(train=dataclasses.replace(cfg.train, optimizer=optimizer))
+    cfg = cfg.replace(optim=dataclasses.replace(cfg.optim, optimizer=optimizer))
     cfg, ctx = build_context(cfg, parse_mesh("expert=4,fsdp=2"))
     params, buffers = jax.eval_shape(lambda: init_params(cfg, 0))
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     abstract = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
     target = ctx.place_state(abstract)
     leaf = target["params"]["moe"]["experts"]["up_proj"]

@@ -21,11 +21,11 @@ def _shape_str(x, shape):
 
 
 def test_jitted_init_materialises_only_each_devices_shard():
-    cfg = load_config("tiny", overrides=["train.optimizer=muon"])
+    cfg = load_config("tiny", overrides=["optim.optimizer=muon"])
     cfg = cfg.replace(mesh=dataclasses.replace(cfg.mesh, expert_axes="fsdp,expert"))
     cfg, ctx = build_context(cfg, parse_mesh("fsdp=2,expert=4"))
     params, buffers = abstract_params(cfg)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     abstract = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
     sh = ctx.state_shardings(abstract)
 

@@ -237,7 +237,7 @@ def _titan_lrs(n, warmup, ratio, kind, lo):
     (9, 2, 0.5, "linear", 0.0),  # round(4.5) = 4 (Python rounds half to even)
 ])
 def test_titan_wsd_schedule_equals_torchtitans(n, warmup, ratio, kind, lo):
-    """``train.schedule=titan_wsd`` (jaxmoe and torch_ref) gives torchtitan's LR of every update;
+    """``optim.schedule=titan_wsd`` (jaxmoe and torch_ref) gives torchtitan's LR of every update;
     jaxmoe's own ``wsd`` with the same settings does not."""
     from jaxmoe.config import Config
     from jaxmoe.train.optim import lr_schedule
@@ -245,14 +245,14 @@ def test_titan_wsd_schedule_equals_torchtitans(n, warmup, ratio, kind, lo):
 
     want = _titan_lrs(n, warmup, ratio, kind, lo)
     cfg = Config()
-    t = cfg.train
-    t.steps, t.warmup_steps, t.min_lr_ratio = n, warmup, lo
+    t = cfg.optim
+    cfg.train.steps, t.warmup_steps, t.min_lr_ratio = n, warmup, lo
     t.schedule, t.titan_decay_ratio, t.titan_decay_type = "titan_wsd", 1.0 if ratio is None else ratio, kind
-    got = np.asarray([float(lr_schedule(t, 1.0)(i)) for i in range(n)])
+    got = np.asarray([float(lr_schedule(t, n, 1.0)(i)) for i in range(n)])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose([lr_factor(cfg, i) for i in range(n)], want, rtol=1e-12, atol=1e-15)
     t.schedule, t.wsd_decay_frac = "wsd", ratio or 1.0
-    other = np.asarray([float(lr_schedule(t, 1.0)(i)) for i in range(n)])
+    other = np.asarray([float(lr_schedule(t, n, 1.0)(i)) for i in range(n)])
     assert np.abs(other - want).max() > 1e-3
 
 
@@ -305,8 +305,8 @@ def test_bias_update_equals_torchtitans_hook(rule):
 
 
 @needs_titan
-@pytest.mark.parametrize("edit", [None, "train.decay_norms=false", "train.decay_embeddings=false",
-                                  "train.schedule=wsd", "train.grad_clip=0"])
+@pytest.mark.parametrize("edit", [None, "optim.decay_norms=false", "optim.decay_embeddings=false",
+                                  "optim.schedule=wsd", "optim.grad_clip=0"])
 def test_optimizer_equals_torchtitans(edit):
     """Three updates of jaxmoe's optimizer with the train section the mapping sets (AdamW 0.9/0.95,
     eps 1e-8, weight decay 0.1 on *every* parameter incl. norms and the embedding, clipping at 1,
@@ -329,8 +329,8 @@ def test_optimizer_equals_torchtitans(edit):
 
     tcfg = _sigmoid_titan_config()
     cfg = tcfg.config
-    t = cfg.train
-    t.steps = 6
+    t = cfg.optim
+    cfg.train.steps = 6
     for k, v in TITAN_RUN_SCHEDULE.items():
         setattr(t, k, v)
     assert (t.decay_norms, t.decay_embeddings, t.grad_clip, t.schedule) == (True, True, 1.0, "titan_wsd")
@@ -345,11 +345,11 @@ def test_optimizer_equals_torchtitans(edit):
     opt = OptimizersContainer(opt_cfg, model_parts=[model])
     sched = LRSchedulersContainer.Config(warmup_steps=t.warmup_steps, decay_ratio=t.titan_decay_ratio,
                                          decay_type=t.titan_decay_type, min_lr_factor=t.min_lr_ratio
-                                         ).build(optimizers=opt, training_steps=t.steps)
+                                         ).build(optimizers=opt, training_steps=cfg.train.steps)
     if edit:
         section, key, value = parse_override(edit)
         cfg = config_from_dict({section: {key: value}}, base=cfg)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     state = tx.init(params)
     rng = np.random.default_rng(1)
     p = params

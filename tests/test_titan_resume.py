@@ -46,7 +46,8 @@ def _toml(path: Path, layers: int, steps: int) -> Path:
     cfg = config_from_titan(FLAVOR, SIGMOID).config
     cfg.model.n_layers = layers
     t = cfg.train
-    t.steps, t.warmup_steps, t.titan_decay_ratio, t.batch_size, t.seq_len, t.eval_every = steps, 2, 0.8, 2, 32, 0
+    t.steps, t.batch_size, t.seq_len, t.eval_every = steps, 2, 32, 0
+    cfg.optim.warmup_steps, cfg.optim.titan_decay_ratio = 2, 0.8
     path.write_text(config_to_toml(cfg))
     return path
 
@@ -112,10 +113,10 @@ def test_torchtitan_state_maps_into_jaxmoe(titan_ckpt):
     res = open_resume(f"dcp:{step}", str(toml))
     assert (res.ts.step, res.ts.count, res.ts.last_epoch, res.ts.ntokens_seen) == (K, K, K, K * 64)
     cfg = load_config(path=toml)
-    cfg.train.lr, cfg.train.weight_decay = 1.0, 0.0  # fixed from the checkpoint's AdamW group
+    cfg.optim.lr, cfg.optim.weight_decay = 1.0, 0.0  # fixed from the checkpoint's AdamW group
     res.fix_config(cfg, set())
-    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2) == (out["param_group"]["initial_lr"], 0.1, 0.95)
-    tx = build_optimizer(cfg.train, abstract_params(cfg)[0], declared_groups(cfg))
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.beta2) == (out["param_group"]["initial_lr"], 0.1, 0.95)
+    tx = build_optimizer(cfg.optim, cfg.train.steps, abstract_params(cfg)[0], declared_groups(cfg))
     state, start, data = res.initial_state(cfg, tx, None)
     assert start == K and data == {"seek_batch": K} and int(state["step"]) == K
     got = np.load(step.parent / "loaded.npz")
@@ -162,7 +163,7 @@ def test_round_trip_torchtitan_jaxmoe_torchtitan(titan_ckpt, tmp_path, capsys):
         assert float(got[f"state.{name}.step"]) == K + 1
     assert out["last_epoch"] == K + 1 and out["train_state"] == {"step": K + 1, "ntokens_seen": (K + 1) * 64}
     g = out["param_group"]
-    assert (g["initial_lr"], g["betas"], g["eps"], g["weight_decay"]) == (cfg.train.lr, [0.9, 0.95], 1e-8, 0.1)
+    assert (g["initial_lr"], g["betas"], g["eps"], g["weight_decay"]) == (cfg.optim.lr, [0.9, 0.95], 1e-8, 0.1)
     assert g["decoupled_weight_decay"] and not g["amsgrad"]
     assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0, capsys.readouterr().err
     ours = _losses(run)
@@ -230,8 +231,8 @@ def test_jaxmoe_run_resumes_in_torchtitan(jaxmoe_run, capsys):
     assert bias and all(np.any(got[n] != 0) for n in bias)  # the bias hook moved them in jaxmoe
     assert out["last_epoch"] == K and out["train_state"] == {"step": K, "ntokens_seen": K * 2 * 32}
     g = out["param_group"]
-    assert (g["initial_lr"], g["betas"], g["eps"], g["weight_decay"]) == (cfg.train.lr, [0.9, 0.95], 1e-8, 0.1)
-    assert g["lr"] == pytest.approx(cfg.train.lr * 1.0)  # update K=2: warmup over, stable (titan_wsd)
+    assert (g["initial_lr"], g["betas"], g["eps"], g["weight_decay"]) == (cfg.optim.lr, [0.9, 0.95], 1e-8, 0.1)
+    assert g["lr"] == pytest.approx(cfg.optim.lr * 1.0)  # update K=2: warmup over, stable (titan_wsd)
     assert g["decoupled_weight_decay"] and not g["amsgrad"]
     # jaxmoe continues its own run on the same batches
     assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0, capsys.readouterr().err
@@ -266,9 +267,9 @@ def test_resume_from_refusals_are_one_line(titan_ckpt, tmp_path, capsys):
     assert "dcp:STEP_DIR" in fails("--resume-from", f"orbax:{tmp_path}", "--titan", str(toml))
     wider = _toml(tmp_path / "w.toml", LAYERS + 1, K + M)
     assert "missing tensor layers.2." in fails("--resume-from", f"dcp:{step}", "--titan", str(wider))
-    msg = fails(*rf, "--set", "train.warmup_steps=4")  # update 2 would be at 3/4 of the lr
+    msg = fails(*rf, "--set", "optim.warmup_steps=4")  # update 2 would be at 3/4 of the lr
     assert "next learning rate" in msg and "warmup 4" in msg, msg
-    assert "train.lr=0.001" in fails(*rf, "--set", "train.lr=0.001")
+    assert "optim.lr=0.001" in fails(*rf, "--set", "optim.lr=0.001")
     assert "pass --steps" in fails(*rf, "--steps", str(K))
     # not AdamW: the state of a parameter holds other fields (our own test checkpoint, rewritten)
     sgd = tmp_path / "sgd"

@@ -325,7 +325,7 @@ def _batch(cfg, b=8, s=16, seed=0):
 
 @pytest.mark.parametrize("preset,optimizer", [("tiny", "adamw"), ("tiny-mla", "muon"), ("mixtral-tiny", "muon")])
 def test_training_lowers_loss(preset, optimizer):
-    cfg = load_config(preset, overrides=[f"train.optimizer={optimizer}", "train.warmup_steps=1", "train.steps=6"])
+    cfg = load_config(preset, overrides=[f"optim.optimizer={optimizer}", "optim.warmup_steps=1", "train.steps=6"])
     model = TorchTransformer(cfg)
     opt = make_optimizer(model, cfg)
     sched = make_scheduler(opt, cfg)
@@ -359,11 +359,11 @@ def test_grad_accumulation_equals_one_batch():
 
 
 def test_lr_schedule():
-    cfg = load_config("tiny", overrides=["train.warmup_steps=4", "train.steps=14", "train.min_lr_ratio=0.1"])
+    cfg = load_config("tiny", overrides=["optim.warmup_steps=4", "train.steps=14", "optim.min_lr_ratio=0.1"])
     assert [lr_factor(cfg, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_factor(cfg, 13) == pytest.approx(0.1) and lr_factor(cfg, 20) == pytest.approx(0.1)
     assert lr_factor(cfg, 8) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
-    cfg.train.schedule = "wsd"  # s0 = max(4, 13 - floor(0.2 * 14)) = 11
+    cfg.optim.schedule = "wsd"  # s0 = max(4, 13 - floor(0.2 * 14)) = 11
     assert lr_factor(cfg, 11) == 1.0 and lr_factor(cfg, 12) == pytest.approx(0.55)
 
 
@@ -373,7 +373,7 @@ def test_bfloat16_compute_runs_close_to_fp32():
     tokens = _tokens()
     with torch.no_grad():
         ref, _ = model(tokens)
-        cfg.train.dtype = "bfloat16"
+        cfg.compute.dtype = "bfloat16"
         got, aux = model(tokens)
     assert got.dtype == torch.float32 and aux["router"]["scores"].dtype == torch.float32
     assert float((ref - got).abs().max()) < 0.1 and not torch.equal(ref, got)

@@ -142,8 +142,8 @@ def test_corrupt_checkpoint_is_reported(tmp_path, capsys):
 
 def test_non_finite_steps_are_skipped_then_stop(tmp_path, capsys):
     out = tmp_path / "nan"
-    rc = cli("--preset", "tiny", "--steps", "30", "--out", str(out), "--set", "train.lr=1e30",
-             "--set", "train.warmup_steps=0", "--set", "train.grad_clip=0", "--set", "train.eval_every=0",
+    rc = cli("--preset", "tiny", "--steps", "30", "--out", str(out), "--set", "optim.lr=1e30",
+             "--set", "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--set", "train.eval_every=0",
              "--set", "train.max_bad_steps=3", "--checkpoint-every", "1")
     err = capsys.readouterr().err
     assert rc == 3 and "non-finite" in err and "stopped" in err
@@ -160,7 +160,7 @@ def test_kill_during_async_save_then_resume(tmp_path):
     out = tmp_path / "k"
     cmd = [sys.executable, "-m", "jaxmoe.cli", "train", "--quiet", "--preset", "tiny", "--steps", "400",
            "--out", str(out), "--checkpoint-every", "1", "--set", "train.eval_every=0",
-           "--set", "train.keep_checkpoints=2"]
+           "--set", "checkpoint.keep=2"]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 900  # generous: a loaded 2-core machine compiles slowly (no timing asserted)
     while time.time() < deadline:

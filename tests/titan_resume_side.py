@@ -52,7 +52,7 @@ def main(spec_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), WORLD_SIZE="1", RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
     cfg = load_config(path=spec["toml"])
-    t = cfg.train
+    t, o = cfg.train, cfg.optim
     titan = config_from_titan(spec["titan"], spec["titan_set"]).titan
     titan.layers = titan.layers[: spec["layers"]]
     K, M = spec["K"], spec["M"]
@@ -75,12 +75,12 @@ def main(spec_path: str) -> None:
         model = build_titan_model(titan)
         model.init_weights()
         model.train()
-        opt_cfg = default_adamw(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+        opt_cfg = default_adamw(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
         opt_cfg.implementation = "for-loop"
         opts = OptimizersContainer(opt_cfg, model_parts=[model])
         sched = LRSchedulersContainer.Config(
-            warmup_steps=t.warmup_steps, decay_ratio=t.titan_decay_ratio, decay_type=t.titan_decay_type,
-            min_lr_factor=t.min_lr_ratio).build(optimizers=opts, training_steps=t.steps)
+            warmup_steps=o.warmup_steps, decay_ratio=o.titan_decay_ratio, decay_type=o.titan_decay_type,
+            min_lr_factor=o.min_lr_ratio).build(optimizers=opts, training_steps=t.steps)
         register_moe_load_balancing_hook(opts, [model], NoParallelism())
         for mod in model.modules():
             if hasattr(mod, "tokens_per_expert_E") and mod.tokens_per_expert_E is not None:
@@ -102,8 +102,8 @@ def main(spec_path: str) -> None:
                 torch.from_numpy(b["mask"]) <= 0, -100)
             loss, _ = loss_fn(model(inputs), labels, (labels != -100).sum())
             loss.backward()
-            if t.grad_clip > 0:
-                dist_utils.clip_grad_norm_(list(model.parameters()), t.grad_clip, foreach=True, pp_mesh=None,
+            if o.grad_clip > 0:
+                dist_utils.clip_grad_norm_(list(model.parameters()), o.grad_clip, foreach=True, pp_mesh=None,
                                            ep_enabled=False)
             opts.step()
             sched.step()

@@ -2,7 +2,7 @@
 
 Weights live in the dtype the model was built/loaded in (fp32 masters by default); every layer
 casts its weight to the dtype of the activations it receives, so the compute dtype is decided
-once, where the embedding output is cast (``cfg.train.dtype``).
+once, where the embedding output is cast (``cfg.compute.dtype``).
 """
 
 from __future__ import annotations

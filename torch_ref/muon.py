@@ -1,4 +1,4 @@
-"""Muon for the reference with Newton–Schulz in a chosen dtype (``train.muon_ns_dtype``).
+"""Muon for the reference with Newton–Schulz in a chosen dtype (``optim.muon_ns_dtype``).
 
 ``torch.optim.Muon`` (torch 2.13) runs Newton–Schulz in bfloat16 unconditionally, so parity with
 it rests on bf16 rounding: each update agrees with jaxmoe's only to ~4e-2, and a 20-step run's

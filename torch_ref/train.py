@@ -9,7 +9,7 @@ expert-bias update.
 2. per micro-batch: forward, loss = ``ce + z_loss_coef*z_loss`` normalised by the *global* number
    of valid tokens plus the router losses divided by the number of micro-batches, backward
    (gradients add up, so the step's gradient is the full batch's for CE/z-loss);
-3. global-norm clipping to ``cfg.train.grad_clip`` (0 disables);
+3. global-norm clipping to ``cfg.optim.grad_clip`` (0 disables);
 4. set this step's learning rates, optimizer step, zero grads, advance the schedule;
 5. expert-bias update on the token counts summed over all micro-batches.
 """
@@ -46,10 +46,10 @@ def lr_factor(cfg: Config, step: int) -> float:
     Every decaying schedule reaches ``r`` exactly at ``step = N - 1``. (Same formula as
     ``jaxmoe.train.optim.lr_schedule``.)
     """
-    t = cfg.train
-    w, n, r = t.warmup_steps, t.steps, t.min_lr_ratio
+    t = cfg.optim
+    w, n, r = t.warmup_steps, cfg.train.steps, t.min_lr_ratio
     if t.schedule == "titan_wsd":
-        return _titan_wsd_factor(t, step)
+        return _titan_wsd_factor(t, n, step)
     if step < w:
         return (step + 1) / w
     s0 = max(w, n - 1 - math.floor(t.wsd_decay_frac * n)) if t.schedule == "wsd" else w
@@ -60,16 +60,15 @@ def lr_factor(cfg: Config, step: int) -> float:
         return 1 + (r - 1) * p
     if t.schedule == "constant":
         return 1.0
-    raise ConfigError(f"train.schedule={t.schedule!r} is not one of cosine, linear, wsd, constant")
+    raise ConfigError(f"optim.schedule={t.schedule!r} is not one of cosine, linear, wsd, constant")
 
 
-def _titan_wsd_factor(t, step: int) -> float:
+def _titan_wsd_factor(t, n: int, step: int) -> float:
     """torchtitan 0.3.0's warmup-stable-decay factor (``LRSchedulersContainer``), written from its
     rule: warmup ``W = min(warmup_steps, N)``; decay ``D = round(N * titan_decay_ratio)`` cut to
     ``N - W``; stable ``S = N + 1 - W - D``; ``(s+1)/W`` in warmup, 1 while stable, then
     ``r + (1 - r) * f((s + 1 - W - S) / D)`` with ``f`` linear / sqrt / cosine (progress held at 1
     past ``N``)."""
-    n = t.steps
     w = min(t.warmup_steps, n)
     d = round(n * t.titan_decay_ratio)
     d = n - w if w + d > n else d
@@ -120,11 +119,11 @@ class Optimizer:
 
 
 def make_optimizer(model: TorchTransformer, cfg: Config) -> Optimizer:
-    """AdamW (``cfg.train.optimizer == "adamw"``) on everything, with weight decay on matrices and
+    """AdamW (``cfg.optim.optimizer == "adamw"``) on everything, with weight decay on matrices and
     the lm_head, on norms/vectors only if ``decay_norms``, on embeddings only if
     ``decay_embeddings``. Or Muon (``torch.optim.Muon``) on every 2-D hidden matrix (attention,
     dense MLP, each expert, routers) with AdamW as above on embeddings, lm_head and vectors."""
-    t = cfg.train
+    t = cfg.optim
     decay, no_decay, muon = [], [], []
     for name, p in model.named_parameters():
         kind = param_kind(name, p)
@@ -241,7 +240,7 @@ def train_step(model: TorchTransformer, opt: Optimizer, sched: Scheduler, batch:
             p.grad = torch.zeros_like(p)
     params = [p for p in model.parameters() if p.grad is not None]
     # clip_grad_norm_ scales by min(1, max_norm / (norm + 1e-6)); inf max_norm = measure only
-    max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     metrics["grad_norm"] = float(norm)
     metrics["lr_factor"] = sched.apply()

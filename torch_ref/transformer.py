@@ -97,7 +97,7 @@ class TorchTransformer(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return DTYPES[self.cfg.train.dtype]
+        return DTYPES[self.cfg.compute.dtype]
 
     # ---------------------------------------------------------------------------------------
 

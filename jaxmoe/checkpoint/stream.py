@@ -43,8 +43,8 @@ def release_pages(arr) -> None:
 
 
 # Chunk writes in flight (TensorStore writes while the next are issued; 8 broke test_port_io's RSS
-# bound), stored uncompressed (zstd-1: CPU on both sides for ~12% of the bytes). Measured:
-# docs/MEASUREMENTS.md, "Conversion at disk speed".
+# bound), stored uncompressed (zstd-1 spends CPU on both sides to save little of the bytes).
+# Measured: docs/MEASUREMENTS.md, "Conversion".
 STREAM_WRITES_IN_FLIGHT = 4
 
 def _chunk_boxes(shape, chunk):

@@ -18,15 +18,16 @@ from jaxmoe.config.load import (
     Config,
     ConfigError,
     apply_setting,
+    canonical_key,
     config_from_dict,
     config_to_toml,
     list_presets,
     load_config,
-    named_config,
     parse_override,
     validate,
 )
+from jaxmoe.config.named import named_config
 from jaxmoe.config.schema import SECTIONS
 
-__all__ = ["SECTIONS", "Config", "ConfigError", "apply_setting", "config_from_dict", "config_to_toml", "list_presets",
-           "load_config", "named_config", "parse_override", "validate"]
+__all__ = ["SECTIONS", "Config", "ConfigError", "apply_setting", "canonical_key", "config_from_dict", "config_to_toml",
+           "list_presets", "load_config", "named_config", "parse_override", "validate"]

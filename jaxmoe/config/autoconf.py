@@ -1,7 +1,7 @@
 """``auto`` config values -> concrete ones, per backend and shape: the one place they are chosen.
 
-Four fields take ``auto`` and default to it: ``moe.compute_path``, ``train.attention_kernel``,
-``train.scan_unroll`` and ``train.ce_chunk_tokens``. :func:`resolve_auto` returns the config
+Four fields take ``auto`` and default to it: ``moe.compute_path``, ``compute.attention_kernel``,
+``compute.scan_unroll`` and ``compute.ce_chunk_tokens``. :func:`resolve_auto` returns the config
 with each ``auto`` replaced by the value the rules below pick for the backend (``cpu``, ``gpu``
 (``cuda``/``rocm``), ``tpu``) and the config's shape; an explicit value (given by ``--set``, a
 config file or a preset) is never changed. The model (:class:`jaxmoe.model.transformer.Model`,
@@ -20,9 +20,9 @@ The rules (evidence: docs/MEASUREMENTS.md, "auto defaults"):
   matmul. With ``moe.ragged_kernel=mosaic_gpu`` (which applies to ``ragged`` only): ``ragged``.
   On GPU the Mosaic grouped GEMM stays opt-in until ``bench/gpu.py``'s ``kernel_check`` has
   passed on a device; the reason is printed once per process.
-* ``train.attention_kernel``: ``dot_product`` on GPU (``jax.nn.dot_product_attention``, cuDNN
+* ``compute.attention_kernel``: ``dot_product`` on GPU (``jax.nn.dot_product_attention``, cuDNN
   flash attention), ``explicit`` elsewhere (what :func:`jaxmoe.model.attention.attend` did).
-* ``train.scan_unroll``: on CPU ``0`` (every layer unrolled: no stacked per-layer buffers to
+* ``compute.scan_unroll``: on CPU ``0`` (every layer unrolled: no stacked per-layer buffers to
   zero-fill, slice and write back) when each layer stack has at most :data:`UNROLL_MAX_LAYERS`
   layers, else ``1`` (a rolled scan: compile time flat in depth). Unrolling was faster on CPU on
   the 4-layer bench shapes; its price is compile time, which grows with the unrolled depth, so
@@ -31,7 +31,7 @@ The rules (evidence: docs/MEASUREMENTS.md, "auto defaults"):
   XLA's peak (tiny, remat save_dots, fsdp=2,expert=4: 4.41 MB unrolled against the 3.73 MB
   jaxmoe.plan.memory models for the rolled scan, which tests/test_plan.py checks within 15%), while
   compile time stays flat in depth. Not measured on a device.
-* ``train.ce_chunk_tokens``: :data:`CE_CHUNK` (cross-entropy fused with the LM head, chunked)
+* ``compute.ce_chunk_tokens``: :data:`CE_CHUNK` (cross-entropy fused with the LM head, chunked)
   when one micro-batch's ``[tokens, vocab]`` logits would hold at least :data:`CE_CHUNK_MIN_LOGITS`
   values (64 MiB in fp32), else ``0`` (whole logits). Same FLOPs, fewer bytes: faster on CPU at
   the bench shapes (2048 tokens x 8192 vocab), and on GPU it keeps the fp32 logits and their
@@ -51,8 +51,8 @@ from jaxmoe.config.schema import Config
 UNROLL_MAX_LAYERS = 8
 CE_CHUNK = 1024
 CE_CHUNK_MIN_LOGITS = 1 << 24
-AUTO_FIELDS = (("moe", "compute_path"), ("train", "attention_kernel"), ("train", "scan_unroll"),
-               ("train", "ce_chunk_tokens"))
+AUTO_FIELDS = (("moe", "compute_path"), ("compute", "attention_kernel"), ("compute", "scan_unroll"),
+               ("compute", "ce_chunk_tokens"))
 MOSAIC_NOTE = ("moe.compute_path=auto -> blocked on GPU; moe.ragged_kernel=mosaic_gpu (the Hopper "
                "grouped GEMM, with moe.compute_path=ragged) stays opt-in until bench/gpu.py's "
                "kernel_check has passed on a device")
@@ -94,9 +94,9 @@ def _ce_chunk_tokens(cfg: Config, kind: str) -> int:
 
 _RULES = {
     ("moe", "compute_path"): _compute_path,
-    ("train", "attention_kernel"): lambda cfg, kind: "dot_product" if kind == "gpu" else "explicit",
-    ("train", "scan_unroll"): _scan_unroll,
-    ("train", "ce_chunk_tokens"): _ce_chunk_tokens,
+    ("compute", "attention_kernel"): lambda cfg, kind: "dot_product" if kind == "gpu" else "explicit",
+    ("compute", "scan_unroll"): _scan_unroll,
+    ("compute", "ce_chunk_tokens"): _ce_chunk_tokens,
 }
 
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import tomllib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from jaxmoe.archs import get_arch
-from jaxmoe.config.schema import SECTIONS, Config, allows_auto, choices, field_type
+from jaxmoe.config.schema import MOVED_KEYS, SECTIONS, Config, allows_auto, choices, field_type
 from jaxmoe.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -78,9 +79,29 @@ def _coerce(section: str, key: str, value: Any, typ: type) -> Any:
     raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
 
 
+#: old keys already noticed in this process (one line each, the first time it is used)
+_NOTICED: set[tuple[str, str]] = set()
+
+
+def canonical_key(section: str, key: str) -> tuple[str, str]:
+    """Where ``section.key`` lives now: a key that moved out of ``[train]``
+    (:data:`~jaxmoe.config.schema.MOVED_KEYS`) gives its new place, with one line of notice on stderr
+    the first time this process sees it; any other key is returned as it is."""
+    if (section, key) not in MOVED_KEYS:
+        return section, key
+    new = MOVED_KEYS[(section, key)]
+    if (section, key) not in _NOTICED:
+        _NOTICED.add((section, key))
+        print(f"note: {section}.{key} is now {new[0]}.{new[1]} (the old key still works)", file=sys.stderr)
+    return new
+
+
 def apply_setting(cfg: Config, section: str, key: str, value: Any) -> None:
     """Set ``cfg.<section>.<key>`` to ``value`` coerced to the field's type, in place; an unknown
-    section or key is a one-line ConfigError (with close names as a hint)."""
+    section or key is a one-line ConfigError (with close names as a hint). A key that moved out of
+    ``[train]`` (:data:`~jaxmoe.config.schema.MOVED_KEYS`) is set where it lives now, with one line of
+    notice on stderr the first time this process sees it."""
+    section, key = canonical_key(section, key)
     if section not in SECTIONS:
         raise ConfigError(
             f"unknown config section {section!r} (in {section}.{key}); sections are: "
@@ -148,7 +169,7 @@ def parse_override(text: str) -> tuple[str, str, str]:
     lhs, value = text.split("=", 1)
     if "." not in lhs:
         raise ConfigError(f"--set {text!r}: key must be section.key (e.g. moe.top_k=2)")
-    section, key = lhs.strip().split(".", 1)
+    section, key = canonical_key(*lhs.strip().split(".", 1))
     return section, key, value
 
 
@@ -177,18 +198,6 @@ def load_config(
     if validate_config:
         validate(cfg)
     return cfg
-
-
-def named_config(spec: str):
-    """The config a checkpoint's ``--titan SPEC`` names: a jaxmoe config ``.toml``, a jaxmoe
-    preset, or a torchtitan ``FAMILY/FLAVOR`` (the ``[titan]`` extra)."""
-    if spec.endswith(".toml"):
-        return load_config(path=spec)
-    if spec in list_presets():
-        return load_config(preset=spec)
-    from jaxmoe.config.titan import titan_config  # late: torchtitan
-
-    return titan_config(spec)
 
 
 def config_to_toml(cfg: Config) -> str:
@@ -233,7 +242,18 @@ def _positive(cfg: Config, section: str, *keys: str, allow_zero: bool = False) -
 
 
 def validate(cfg: Config) -> Config:
-    m, e, mesh, t = cfg.model, cfg.moe, cfg.mesh, cfg.train
+    """``cfg`` itself if every field is allowed and the fields agree; else a one-line ConfigError
+    naming the key (before any compute)."""
+    _check_fields(cfg)
+    _check_run(cfg)
+    _check_model(cfg)
+    _check_moe(cfg)
+    _check_mesh(cfg)
+    return cfg
+
+
+def _check_fields(cfg: Config) -> None:
+    """Every field one of its declared choices, every float finite."""
     for section, cls in SECTIONS.items():
         obj = getattr(cfg, section)
         for f in fields(cls):
@@ -243,25 +263,48 @@ def validate(cfg: Config) -> Config:
                 raise ConfigError(f"{section}.{f.name}={v!r} is not one of: {', '.join(allowed)}")
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{section}.{f.name}={v!r} must be a finite number")
-    _positive(cfg, "model", "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
-    _positive(cfg, "model", "first_k_dense", allow_zero=True)
-    _positive(cfg, "moe", "n_experts", "top_k", "expert_ffn_dim", "n_groups", "topk_groups")
-    _positive(cfg, "moe", "n_shared_experts", allow_zero=True)
+
+
+def _check_run(cfg: Config) -> None:
+    """The train, optim, compute, data and checkpoint sections."""
+    m, t, o = cfg.model, cfg.train, cfg.optim
     _positive(cfg, "train", "batch_size", "seq_len", "micro_batches", "steps", "log_every",
               "max_bad_steps")
-    _positive(cfg, "train", "checkpoint_every", "keep_checkpoints", "eval_every", "warmup_steps",
-              "muon_ns_steps", "ce_chunk_tokens", "scan_unroll", "data_workers", allow_zero=True)
+    _positive(cfg, "train", "eval_every", allow_zero=True)
+    _positive(cfg, "checkpoint", "every", "keep", allow_zero=True)
+    _positive(cfg, "optim", "warmup_steps", "muon_ns_steps", allow_zero=True)
+    _positive(cfg, "compute", "ce_chunk_tokens", "scan_unroll", allow_zero=True)
+    _positive(cfg, "data", "workers", allow_zero=True)
     if t.eval_every > 0 and t.eval_batches <= 0:
         raise ConfigError(f"train.eval_batches={t.eval_batches} must be > 0 when train.eval_every="
                           f"{t.eval_every} > 0 (or set train.eval_every=0 to turn evaluation off)")
-    for k in ("checkpoint_minutes", "weight_decay", "muon_weight_decay", "grad_clip", "z_loss_coef",
-              "eps", "muon_eps"):
-        if getattr(t, k) < 0:
-            raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
-    if not 0 <= t.beta1 < 1 or not 0 <= t.beta2 < 1 or not 0 <= t.muon_momentum < 1:
-        raise ConfigError("train.beta1, train.beta2 and train.muon_momentum must be in [0, 1)")
-    if not 0 <= t.min_lr_ratio <= 1 or not 0 <= t.wsd_decay_frac <= 1 or not 0 <= t.titan_decay_ratio <= 1:
-        raise ConfigError("train.min_lr_ratio, train.wsd_decay_frac and train.titan_decay_ratio must be in [0, 1]")
+    for section, k in (("checkpoint", "minutes"), ("optim", "weight_decay"), ("optim", "muon_weight_decay"),
+                       ("optim", "grad_clip"), ("train", "z_loss_coef"), ("optim", "eps"), ("optim", "muon_eps")):
+        if getattr(getattr(cfg, section), k) < 0:
+            raise ConfigError(f"{section}.{k}={getattr(getattr(cfg, section), k)} must be >= 0")
+    if not 0 <= o.beta1 < 1 or not 0 <= o.beta2 < 1 or not 0 <= o.muon_momentum < 1:
+        raise ConfigError("optim.beta1, optim.beta2 and optim.muon_momentum must be in [0, 1)")
+    if not 0 <= o.min_lr_ratio <= 1 or not 0 <= o.wsd_decay_frac <= 1 or not 0 <= o.titan_decay_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio, optim.wsd_decay_frac and optim.titan_decay_ratio must be in [0, 1]")
+    if t.batch_size % t.micro_batches:
+        raise ConfigError(
+            f"train.micro_batches={t.micro_batches} does not divide train.batch_size={t.batch_size}"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    coeffs = o.muon_ns_coefficients
+    if len(coeffs) != 3 or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in coeffs
+    ):
+        raise ConfigError(f"optim.muon_ns_coefficients={coeffs!r} must be a list of 3 finite numbers (a, b, c)")
+    if o.lr < 0 or o.muon_lr < 0:
+        raise ConfigError("optim.lr and optim.muon_lr must be >= 0")
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    _positive(cfg, "model", "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
+    _positive(cfg, "model", "first_k_dense", allow_zero=True)
     if m.first_k_dense > m.n_layers:
         raise ConfigError(
             f"model.first_k_dense={m.first_k_dense} exceeds model.n_layers={m.n_layers}"
@@ -289,6 +332,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"model.hf_arch={m.hf_arch!r} requires model.attention={arch.attention!r}")
     if m.rope_scaling == "yarn" and m.yarn_factor < 1.0:
         raise ConfigError(f"model.yarn_factor={m.yarn_factor} must be >= 1 for YaRN")
+
+
+def _check_moe(cfg: Config) -> None:
+    m, e = cfg.model, cfg.moe
+    _positive(cfg, "moe", "n_experts", "top_k", "expert_ffn_dim", "n_groups", "topk_groups")
+    _positive(cfg, "moe", "n_shared_experts", allow_zero=True)
     if e.top_k > e.n_experts:
         raise ConfigError(f"moe.top_k={e.top_k} exceeds moe.n_experts={e.n_experts}")
     if e.n_experts % e.n_groups:
@@ -317,9 +366,9 @@ def validate(cfg: Config) -> Config:
         if e.compute_path not in ("ragged", "auto"):  # auto picks ragged for it (jaxmoe.config.autoconf)
             raise ConfigError(f"moe.ragged_kernel='mosaic_gpu' applies to moe.compute_path='ragged' "
                               f"only (this config uses {e.compute_path!r}); set one or the other")
-        if t.dtype != "bfloat16":
-            raise ConfigError(f"moe.ragged_kernel='mosaic_gpu' needs train.dtype=bfloat16 (the Hopper "
-                              f"kernels take 16-bit operands), not {t.dtype!r}; or use moe.ragged_kernel=xla")
+        if cfg.compute.dtype != "bfloat16":
+            raise ConfigError(f"moe.ragged_kernel='mosaic_gpu' needs compute.dtype=bfloat16 (the Hopper kernels "
+                              f"take 16-bit operands), not {cfg.compute.dtype!r}; or use moe.ragged_kernel=xla")
         bad = {k: v for k, v in (("model.d_model", m.d_model), ("moe.expert_ffn_dim", e.expert_ffn_dim))
                if v % 64}
         if bad:
@@ -329,6 +378,10 @@ def validate(cfg: Config) -> Config:
     for k in ("lb_coef", "seq_aux_coef", "router_z_coef", "bias_update_rate", "route_scale"):
         if getattr(e, k) < 0:
             raise ConfigError(f"moe.{k}={getattr(e, k)} must be >= 0")
+
+
+def _check_mesh(cfg: Config) -> None:
+    mesh = cfg.mesh
     for k in ("replica", "fsdp", "expert", "tensor"):
         v = getattr(mesh, k)
         if v == 0 or v < -1:
@@ -337,31 +390,17 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("mesh: at most one axis may be -1 (fill)")
     if mesh.dispatch_chunks <= 0:
         raise ConfigError(f"mesh.dispatch_chunks={mesh.dispatch_chunks} must be > 0")
-    if t.batch_size % t.micro_batches:
-        raise ConfigError(
-            f"train.micro_batches={t.micro_batches} does not divide train.batch_size={t.batch_size}"
-        )
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    coeffs = t.muon_ns_coefficients
-    if len(coeffs) != 3 or not all(
-        isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in coeffs
-    ):
-        raise ConfigError(f"train.muon_ns_coefficients={coeffs!r} must be a list of 3 finite numbers (a, b, c)")
-    if t.lr < 0 or t.muon_lr < 0:
-        raise ConfigError("train.lr and train.muon_lr must be >= 0")
-    return cfg
 
 
 __all__ = [
     "Config",  # what load_config returns (defined in jaxmoe.config.schema)
     "ConfigError",  # what validation raises (defined in jaxmoe.errors)
     "apply_setting",
+    "canonical_key",
     "config_from_dict",
     "config_to_toml",
     "list_presets",
     "load_config",
-    "named_config",
     "parse_override",
     "validate",
 ]

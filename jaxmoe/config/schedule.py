@@ -1,4 +1,4 @@
-"""The learning rate each ``train.schedule`` gives, as a function of the 0-based update index:
+"""The learning rate each ``optim.schedule`` gives, as a function of the 0-based update index:
 one definition, evaluated with numpy (the ``dcp:`` sink's next lr) or with ``jax.numpy`` inside
 the train step (:func:`jaxmoe.train.optim.lr_schedule`). Pure Python + numpy: no jax import.
 """
@@ -10,13 +10,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxmoe.config.schema import TrainConfig
+from jaxmoe.config.schema import OptimConfig
 
 
-def lr_schedule(tcfg: TrainConfig, base_lr: float, xp=np) -> Callable[[Any], Any]:
+def lr_schedule(ocfg: OptimConfig, steps: int, base_lr: float, xp=np) -> Callable[[Any], Any]:
     """The learning rate as a function of the 0-based update index ``step``.
 
-    With ``W = tcfg.warmup_steps``, ``N = tcfg.steps``, ``lo = base_lr * tcfg.min_lr_ratio``::
+    With ``W = ocfg.warmup_steps``, ``N = steps`` (``train.steps``), ``lo = base_lr * ocfg.min_lr_ratio``::
 
         step < W:            lr = base_lr * (step + 1) / W                (linear warmup)
         otherwise:           p  = clip((step - s0) / max(1, N - 1 - s0), 0, 1)
@@ -36,15 +36,15 @@ def lr_schedule(tcfg: TrainConfig, base_lr: float, xp=np) -> Callable[[Any], Any
     ``step`` may be a Python int or an integer array of ``xp`` (numpy, or ``jax.numpy`` for a traced
     step: :func:`jaxmoe.train.optim.lr_schedule`); the result is a float32 array of ``xp``.
     """
-    if tcfg.schedule == "titan_wsd":
-        return _titan_wsd(tcfg, base_lr, xp)
-    warmup = int(tcfg.warmup_steps)
-    n = int(tcfg.steps)
+    if ocfg.schedule == "titan_wsd":
+        return _titan_wsd(ocfg, steps, base_lr, xp)
+    warmup = int(ocfg.warmup_steps)
+    n = int(steps)
     base = float(base_lr)
-    lo = base * float(tcfg.min_lr_ratio)
-    kind = tcfg.schedule
+    lo = base * float(ocfg.min_lr_ratio)
+    kind = ocfg.schedule
     if kind == "wsd":
-        s0 = max(warmup, n - 1 - int(math.floor(tcfg.wsd_decay_frac * n)))
+        s0 = max(warmup, n - 1 - int(math.floor(ocfg.wsd_decay_frac * n)))
     else:
         s0 = warmup
     span = max(1, n - 1 - s0)
@@ -59,7 +59,7 @@ def lr_schedule(tcfg: TrainConfig, base_lr: float, xp=np) -> Callable[[Any], Any
         elif kind == "constant":
             after = xp.full_like(p, base)
         else:
-            raise ValueError(f"train.schedule={kind!r} is not one of cosine, linear, wsd, constant")
+            raise ValueError(f"optim.schedule={kind!r} is not one of cosine, linear, wsd, constant")
         if warmup > 0:
             return xp.where(step < warmup, base * (step + 1.0) / warmup, after)
         return after
@@ -67,23 +67,23 @@ def lr_schedule(tcfg: TrainConfig, base_lr: float, xp=np) -> Callable[[Any], Any
     return schedule
 
 
-def titan_wsd_plan(tcfg: TrainConfig) -> tuple[int, int, int]:
+def titan_wsd_plan(ocfg: OptimConfig, steps: int) -> tuple[int, int, int]:
     """``(warmup, stable, decay)`` step counts of torchtitan's warmup-stable-decay for
-    ``N = tcfg.steps`` (its ``training_steps``): warmup ``min(warmup_steps, N)``; decay
+    ``N = steps`` (its ``training_steps``): warmup ``min(warmup_steps, N)``; decay
     ``round(N * titan_decay_ratio)`` (Python's round), cut to ``N - warmup``; stable
     ``N + 1 - warmup - decay`` (torchtitan's "virtual last step", so the lr never reaches 0)."""
-    n = int(tcfg.steps)
-    warmup = min(int(tcfg.warmup_steps), n)
-    decay = round(n * float(tcfg.titan_decay_ratio))
+    n = int(steps)
+    warmup = min(int(ocfg.warmup_steps), n)
+    decay = round(n * float(ocfg.titan_decay_ratio))
     if warmup + decay > n:
         decay = n - warmup
     return warmup, n + 1 - warmup - decay, decay
 
 
-def _titan_wsd(tcfg: TrainConfig, base_lr: float, xp) -> Callable[[Any], Any]:
+def _titan_wsd(ocfg: OptimConfig, steps: int, base_lr: float, xp) -> Callable[[Any], Any]:
     """torchtitan 0.3.0 ``LRSchedulersContainer`` (``linear_warmup_stable_decay``), as an ``xp``
     function of the 0-based update index ``s`` (``LambdaLR``'s ``last_epoch`` when its optimizer
-    makes update ``s``); with ``(W, S, D) = titan_wsd_plan(tcfg)`` and ``r = min_lr_ratio``
+    makes update ``s``); with ``(W, S, D) = titan_wsd_plan(ocfg, steps)`` and ``r = min_lr_ratio``
     (torchtitan's ``min_lr_factor``)::
 
         s < W:          factor = (s + 1) / W
@@ -92,11 +92,11 @@ def _titan_wsd(tcfg: TrainConfig, base_lr: float, xp) -> Callable[[Any], Any]:
                         f = 1 - p (linear) | 1 - sqrt(p) (sqrt) | (1 + cos(pi p)) / 2 (cosine)
 
     lr = base_lr * factor. Past ``N`` steps (torchtitan never gets there) ``p`` is held at 1."""
-    warmup, stable, decay = titan_wsd_plan(tcfg)
-    r = float(tcfg.min_lr_ratio)
-    kind = tcfg.titan_decay_type
+    warmup, stable, decay = titan_wsd_plan(ocfg, steps)
+    r = float(ocfg.min_lr_ratio)
+    kind = ocfg.titan_decay_type
     if kind not in ("linear", "sqrt", "cosine"):
-        raise ValueError(f"train.titan_decay_type={kind!r} is not one of linear, sqrt, cosine")
+        raise ValueError(f"optim.titan_decay_type={kind!r} is not one of linear, sqrt, cosine")
     base = float(base_lr)
 
     def schedule(step):

@@ -1,5 +1,5 @@
-"""The config schema: four sections of typed fields, the single source of truth for shapes,
-routing, mesh and training (pure Python: no jax, so torch_ref shares it).
+"""The config schema: sections of typed fields, the single source of truth for shapes,
+routing, mesh, compute, optimizer, data, checkpoints and the run (pure Python: no jax, so torch_ref shares it).
 
 Each field's type says what it accepts: a ``Literal[...]`` (or ``metadata["choices"]``) lists its
 choices, which validation (:mod:`jaxmoe.config`) reads -- the one place a choice is declared.
@@ -140,13 +140,34 @@ class MeshConfig:
 
 
 @dataclass
-class TrainConfig:
-    seed: int = 0
-    steps: int = 60
-    batch_size: int = 8  # sequences per step (global)
-    seq_len: int = 64
-    micro_batches: int = 1  # gradient accumulation: batch_size split into this many micro-batches
+class ComputeConfig:
+    """How the model computes: precision and the kernels that give the same values (the model reads
+    this section, never ``train``)."""
+
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (master params always fp32)
+    # attention score kernel (jaxmoe.model.attention.attend): dot_product = jax.nn.dot_product_attention
+    # (cuDNN flash on GPU), explicit = scores by hand; auto = dot_product on GPU, explicit elsewhere
+    # (jaxmoe.config.autoconf)
+    attention_kernel: Literal["auto", "dot_product", "explicit"] = "auto"
+    # cross-entropy over this many tokens at a time, fused with the LM head, so the [T, V] fp32
+    # logits are never held whole (jaxmoe.train.losses.chunked_cross_entropy); 0 = off; auto = 1024
+    # when a micro-batch's logits hold >= 2^24 values (tokens x vocab), else 0 (jaxmoe.config.autoconf)
+    ce_chunk_tokens: int | str = field(default="auto", metadata={"type": int, "auto": True})
+    # layers per iteration of the layer scans (jaxmoe.model.transformer): 1 = rolled (compile time
+    # flat in depth); N = N layers per iteration; 0 = every layer unrolled: no stacked per-layer
+    # buffers to zero-fill, slice and write back (faster for shallow stacks on CPU; figures in
+    # docs/MEASUREMENTS.md), compile time grows with depth; auto = on CPU 0 for stacks of at most
+    # 8 layers, else 1; 1 on GPU/TPU (jaxmoe.config.autoconf)
+    scan_unroll: int | str = field(default="auto", metadata={"type": int, "auto": True})
+    # what each layer keeps for the backward: none (everything), full (its input only), save_dots
+    # (matmul outputs), offload (its residuals in pinned_host memory, the rest recomputed)
+    remat: Literal["none", "full", "save_dots", "offload"] = "none"
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer, its learning-rate schedule and its state's placement."""
+
     optimizer: Literal["adamw", "muon"] = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -154,7 +175,7 @@ class TrainConfig:
     # cosine | linear | wsd | constant: jaxmoe's schedules (warmup, then decay reaching lr *
     # min_lr_ratio at the last step); titan_wsd: torchtitan 0.3.0's warmup-stable-decay
     # (LRSchedulersContainer: decay over round(steps * titan_decay_ratio) steps ending one virtual
-    # step after the last, min_lr_ratio = its min_lr_factor); see jaxmoe.train.optim.lr_schedule
+    # step after the last, min_lr_ratio = its min_lr_factor); see jaxmoe.config.schedule
     schedule: Literal["cosine", "linear", "wsd", "constant", "titan_wsd"] = "cosine"
     wsd_decay_frac: float = 0.2  # wsd: decay over the last floor(frac * steps) steps
     titan_decay_ratio: float = 1.0  # titan_wsd: torchtitan's decay_ratio (1.0 = its None: decay after warmup)
@@ -176,52 +197,74 @@ class TrainConfig:
     muon_adjust_lr: Literal["original", "match_rms_adamw", "none"] = "original"
     muon_weight_decay: float = 0.1
     muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # bfloat16 as torch.optim.Muon
-    # where Newton-Schulz runs on a mesh (jaxmoe.train.muon_placement): "owner" = whole matrices where they
-    # live (experts), every other matrix on one owner device (balanced by NS FLOPs);
+    # where Newton-Schulz runs on a mesh (jaxmoe.train.muon_placement): "owner" = whole matrices
+    # where they live (experts), every other matrix on one owner device (balanced by NS FLOPs);
     # "replicated" = wherever XLA puts it (sharded matrices gathered). Same values; no mesh: same.
     muon_placement: Literal["replicated", "owner"] = "owner"
     # optimizer state (AdamW moments, Muon momentum) kept in pinned host memory, streamed to the
     # device for the update (jaxmoe.train.step); the same values as on device
     offload_optimizer: bool = False
-    z_loss_coef: float = 0.0  # output-logit z-loss
-    remat: Literal["none", "full", "save_dots", "offload"] = "none"
-    # layers per iteration of the layer scans (jaxmoe.model.transformer): 1 = rolled (compile time
-    # flat in depth); N = N layers per iteration; 0 = every layer unrolled: no stacked per-layer
-    # buffers to zero-fill, slice and write back (faster for shallow stacks on CPU: +4% / +14%
-    # tokens/s on bench/train_step.py's coarse / fine shapes), compile time grows with depth;
-    # auto = on CPU 0 for stacks of at most 8 layers, else 1; 1 on GPU/TPU (jaxmoe.config.autoconf)
-    scan_unroll: int | str = field(default="auto", metadata={"type": int, "auto": True})
-    # attention score kernel (jaxmoe.model.attention.attend): dot_product = jax.nn.dot_product_attention
-    # (cuDNN flash on GPU), explicit = scores by hand; auto = dot_product on GPU, explicit elsewhere
-    # (jaxmoe.config.autoconf)
-    attention_kernel: Literal["auto", "dot_product", "explicit"] = "auto"
-    # cross-entropy over this many tokens at a time, fused with the LM head, so the [T, V] fp32
-    # logits are never held whole (jaxmoe.train.losses.chunked_cross_entropy); 0 = off; auto = 1024 when
-    # a micro-batch's logits hold >= 2^24 values (tokens x vocab), else 0 (jaxmoe.config.autoconf)
-    ce_chunk_tokens: int | str = field(default="auto", metadata={"type": int, "auto": True})
-    # data: "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer),
-    # or a mixture "mix:0.7*SPEC,0.3*SPEC" (jaxmoe.data.mixture)
-    data: str = "default"
+
+
+@dataclass
+class DataConfig:
+    """Where the batches come from and how documents become rows."""
+
+    # "default" (embedded stdlib corpus), "tokens:PATH" (.bin/.npy), "text:PATH" (+tokenizer),
+    # or a mixture "mix:0.7*SPEC,0.3*SPEC" (jaxmoe.data.mixture); the --data flag
+    source: str = "default"
     tokenizer: str = ""  # path to a HuggingFace tokenizers tokenizer.json for text data
     # rows (jaxmoe.data.packing): windows = fixed S+1-token windows across documents (no masks);
     # documents = documents packed first-fit into rows, with segment_ids/positions, padding masked
     packing: Literal["windows", "documents"] = "windows"
     doc_sep_id: int = -1  # documents packing on a flat token stream: the separator id (-1: none)
     mask_doc_start: bool = False  # documents packing: no loss on each document's first target
-    data_workers: int = 0  # Grain worker processes preparing batches (0: in the training process)
+    workers: int = 0  # Grain worker processes preparing batches (0: in the training process)
+
+
+@dataclass
+class CheckpointConfig:
+    """When a run saves, and how many checkpoints it keeps."""
+
+    every: int = 0  # save every N steps (0: by time, see minutes); the --checkpoint-every flag
+    minutes: float = 30.0  # when every is 0: save about this often (0: off)
+    keep: int = 3  # keep the last K checkpoints
+
+
+@dataclass
+class TrainConfig:
+    """The run: steps, the batch, evaluation, logging and when to stop."""
+
+    seed: int = 0
+    steps: int = 60
+    batch_size: int = 8  # sequences per step (global)
+    seq_len: int = 64
+    micro_batches: int = 1  # gradient accumulation: batch_size split into this many micro-batches
+    z_loss_coef: float = 0.0  # output-logit z-loss
     eval_every: int = 20
     eval_batches: int = 2
     log_every: int = 1
-    checkpoint_every: int = 0  # save every N steps (0: by time, see checkpoint_minutes)
-    checkpoint_minutes: float = 30.0  # when checkpoint_every is 0: save about this often (0: off)
-    keep_checkpoints: int = 3
     max_bad_steps: int = 3
     # fetch step n's metrics while step n+1 runs and prepare batches on a thread; false: the
     # synchronous loop (the same losses bit for bit; for comparison and debugging)
     async_loop: bool = True
 
 
-SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "mesh": MeshConfig, "train": TrainConfig}
+SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "mesh": MeshConfig, "compute": ComputeConfig,
+            "optim": OptimConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "train": TrainConfig}
+
+#: keys that moved out of ``[train]`` when it was split into sections: old (section, key) -> new.
+#: An old key still works (in a file, a ``--set`` and a saved run's config), with one line of notice.
+MOVED_KEYS = {
+    **{("train", f.name): ("compute", f.name) for f in fields(ComputeConfig)},
+    **{("train", f.name): ("optim", f.name) for f in fields(OptimConfig)},
+    ("train", "data"): ("data", "source"),
+    **{("train", k): ("data", k) for k in ("tokenizer", "packing", "doc_sep_id", "mask_doc_start")},
+    ("train", "data_workers"): ("data", "workers"),
+    ("train", "checkpoint_every"): ("checkpoint", "every"),
+    ("train", "checkpoint_minutes"): ("checkpoint", "minutes"),
+    ("train", "keep_checkpoints"): ("checkpoint", "keep"),
+}
 
 
 @dataclass
@@ -229,6 +272,10 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     description: str = ""
 
@@ -281,5 +328,5 @@ def field_type(cls, name: str) -> type:
     return type(f.default_factory())  # type: ignore[misc]
 
 
-__all__ = ["Config", "MeshConfig", "ModelConfig", "MoEConfig", "SECTIONS", "TrainConfig", "allows_auto", "choices",
-           "field_type"]
+__all__ = ["MOVED_KEYS", "SECTIONS", "CheckpointConfig", "ComputeConfig", "Config", "DataConfig", "MeshConfig",
+           "ModelConfig", "MoEConfig", "OptimConfig", "TrainConfig", "allows_auto", "choices", "field_type"]

@@ -174,7 +174,7 @@ def config_from_titan(spec: str, overrides=()) -> TitanConfig:
     _map_moe([layer.moe for layer in tc.layers[m.first_k_dense:]], e, name, notes)
     cfg.train.seq_len = min(cfg.train.seq_len, m.max_seq_len)
     cfg.train.z_loss_coef = 0.0  # torchtitan's loss: summed CE / global valid tokens, nothing else
-    map_titan_training(cfg.train)
+    map_titan_training(cfg.optim)
     validate(cfg)
     return TitanConfig(name, cfg, tc, notes)
 
@@ -320,7 +320,7 @@ def titan_training_defaults() -> dict:
 
 
 def map_titan_training(t) -> None:
-    """Set jaxmoe's train section (``t``) to torchtitan's defaults (:func:`titan_training_defaults`):
+    """Set jaxmoe's optim section (``t``) to torchtitan's defaults (:func:`titan_training_defaults`):
     AdamW with decay on all parameters (``decay_norms`` / ``decay_embeddings`` on), gradient
     clipping, the ``titan_wsd`` schedule (``decay_ratio`` None = 1.0: decay from the end of
     warmup). The expert-bias rule is ``sign_centred`` (the default), torchtitan's pre-hook."""

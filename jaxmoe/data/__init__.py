@@ -1,10 +1,10 @@
 """Training data: sources, tokenization and the Grain pipeline that turns them into batches.
 
-* :mod:`jaxmoe.data.sources` -- ``train.data`` sources (``default``: the standard library's ``.py``
+* :mod:`jaxmoe.data.sources` -- ``data.source`` sources (``default``: the standard library's ``.py``
   files as bytes, vocab 256; ``tokens:PATH``; ``text:PATH``; ...), :mod:`jaxmoe.data.tokenize` --
   tokenizers.
 * :mod:`jaxmoe.data.mixture` -- ``mix:W*SPEC,...`` mixtures.
-* :mod:`jaxmoe.data.packing` -- rows: fixed windows (``train.packing="windows"``) or documents
+* :mod:`jaxmoe.data.packing` -- rows: fixed windows (``data.packing="windows"``) or documents
   packed first-fit with ``segment_ids``/``positions`` (``"documents"``).
 * :mod:`jaxmoe.data.pipeline` -- order, per-process sharding, batches, worker processes and the
   resumable iterator state (:class:`DataIterator`).
@@ -20,8 +20,8 @@ from jaxmoe.extras import require
 
 def make_data(cfg, split: str = "train", *, process_index: int = 0, process_count: int = 1,
               workers: int | None = None):
-    """The :class:`~jaxmoe.data.pipeline.DataIterator` of ``cfg.train.data`` for this process
-    (``workers``: override ``train.data_workers``); every check that can be made up front is made
+    """The :class:`~jaxmoe.data.pipeline.DataIterator` of ``cfg.data.source`` for this process
+    (``workers``: override ``data.workers``); every check that can be made up front is made
     here (nothing is read past the sources' headers and token ranges)."""
     require("grain", "training data")
     from jaxmoe.data.pipeline import DataIterator

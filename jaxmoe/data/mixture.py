@@ -1,4 +1,4 @@
-"""``train.data`` specs with mixtures: ``mix:W1*SPEC1,W2*SPEC2,...``.
+"""``data.source`` specs with mixtures: ``mix:W1*SPEC1,W2*SPEC2,...``.
 
 A mixture draws the rows of each batch from several sources in the proportions of the weights
 (normalised to sum to 1). The interleaving is Grain's ``IterDataset.mix``: a fixed, deterministic
@@ -25,27 +25,27 @@ def parse_data_spec(spec: str) -> list[tuple[float, str]]:
     spec = spec.strip()
     if not spec.startswith(PREFIX):
         if not spec:
-            raise UserError("train.data is empty; use default, tokens:PATH, text:PATH or mix:...")
+            raise UserError("data.source is empty; use default, tokens:PATH, text:PATH or mix:...")
         return [(1.0, spec)]
     body = spec[len(PREFIX):]
     out: list[tuple[float, str]] = []
     for part in body.split(","):
         w, star, src = part.partition("*")
         if not star or not src.strip():
-            raise UserError(f"train.data mixture part {part!r} is not WEIGHT*SPEC "
+            raise UserError(f"data.source mixture part {part!r} is not WEIGHT*SPEC "
                             "(e.g. mix:0.7*tokens:a.bin,0.3*text:b.jsonl)")
         try:
             weight = float(w)
         except ValueError:
-            raise UserError(f"train.data mixture weight {w!r} in {part!r} is not a number") from None
+            raise UserError(f"data.source mixture weight {w!r} in {part!r} is not a number") from None
         if not math.isfinite(weight) or weight <= 0:
-            raise UserError(f"train.data mixture weight {w.strip()} of {src.strip()} must be > 0")
+            raise UserError(f"data.source mixture weight {w.strip()} of {src.strip()} must be > 0")
         if src.strip().startswith(PREFIX):
-            raise UserError(f"train.data mixture part {part!r}: mixtures do not nest")
+            raise UserError(f"data.source mixture part {part!r}: mixtures do not nest")
         out.append((weight, src.strip()))
     names = [s for _, s in out]
     if len(set(names)) != len(names):
-        raise UserError(f"train.data mixture names a source twice ({spec}); merge their weights")
+        raise UserError(f"data.source mixture names a source twice ({spec}); merge their weights")
     total = sum(w for w, _ in out)
     return [(w / total, s) for w, s in out]
 

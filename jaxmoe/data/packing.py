@@ -1,14 +1,14 @@
 """Rows of ``S`` tokens from token streams and documents: fixed windows, or packed documents.
 
-Every transform here is a picklable Grain map (they run in the ``train.data_workers`` processes).
+Every transform here is a picklable Grain map (they run in the ``data.workers`` processes).
 
-``windows`` (``train.packing="windows"``, the default): a row is ``S + 1`` consecutive tokens
+``windows`` (``data.packing="windows"``, the default): a row is ``S + 1`` consecutive tokens
 ``w``: ``inputs = w[:-1]``, ``targets = w[1:]``, ``mask`` all 1. Flat streams are cut at
 multiples of ``S`` (:class:`Window`: window ``k`` = ``t[k*S : k*S + S + 1]``, so neighbouring
 windows share one token); document sources are concatenated, then split into ``S + 1``-token
 windows (Grain's ``ConcatThenSplitIterDataset``); windows run across document boundaries, unmasked.
 
-``documents`` (``train.packing="documents"``): a document ``d`` (ending with its separator /
+``documents`` (``data.packing="documents"``): a document ``d`` (ending with its separator /
 end-of-text token when the source has one) gives the pairs ``inputs = d[:-1]``, ``targets = d[1:]``;
 they are cut into pieces of at most ``S`` pairs (:class:`Pieces`: piece ``k`` holds pairs
 ``k*S ... k*S + S - 1``; a one-token document gives nothing). Each piece is its own segment: its
@@ -21,7 +21,7 @@ packing is a pure function of the order (deterministic, resumable from Grain's s
 ``bins`` >= 8 rows the padding is small for documents much shorter than ``S``. A packed row has
 ``segment_ids`` (pieces numbered 1, 2, ... within the row, 0 = padding), ``positions`` (0 at a
 piece's first token) and ``mask`` (1 on every real target, 0 on padding; with
-``train.mask_doc_start`` also 0 on the first target of each document, the prediction of its second
+``data.mask_doc_start`` also 0 on the first target of each document, the prediction of its second
 token from its first alone -- a continuation piece keeps its first target).
 """
 

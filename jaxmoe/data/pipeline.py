@@ -1,10 +1,10 @@
 """The Grain input pipeline behind :func:`jaxmoe.data.make_data`: order, sharding, rows, batches.
 
-For each source of ``train.data`` (one, or the parts of a ``mix:`` spec, :mod:`.mixture`):
+For each source of ``data.source`` (one, or the parts of a ``mix:`` spec, :mod:`.mixture`):
 
 1. **split**: flat token streams (``default``, ``tokens:``): the last ``max(N // 50, S + 1)``
    tokens are the eval split, the rest the train split. Document sources (``text:`` and the
-   document formats; flat streams in ``documents`` packing, cut at ``train.doc_sep_id``): the last
+   document formats; flat streams in ``documents`` packing, cut at ``data.doc_sep_id``): the last
    ``ceil(n_docs / 50)`` documents are the eval split (at least one document each side).
 2. **order**: the train split's elements (flat windows: window indices; else documents) in a global
    order drawn per epoch by Grain's index shuffle from ``train.seed`` (the seed combined with the
@@ -18,11 +18,11 @@ For each source of ``train.data`` (one, or the parts of a ``mix:`` spec, :mod:`.
 4. **rows** (:mod:`.packing`): text is tokenized (``Tokenize``, in the workers), then windows or
    first-fit packed documents.
 5. **mixture**: the sources' rows interleaved by weight (Grain ``IterDataset.mix``).
-6. **batches** of ``B_local = train.batch_size / n`` rows, prepared by ``train.data_workers`` Grain
+6. **batches** of ``B_local = train.batch_size / n`` rows, prepared by ``data.workers`` Grain
    worker processes (``mp_prefetch``; 0 = in this process). For a single flat stream in windows
    packing the batches are formed before the workers (each worker makes whole batches), so the data
    are the same for any worker count; elsewhere each worker packs its own slice of the documents,
-   so the rows depend on ``train.data_workers`` (still deterministic; a resume must keep it).
+   so the rows depend on ``data.workers`` (still deterministic; a resume must keep it).
 
 :class:`DataIterator` serves the batches; ``state()`` is the Grain iterator state (JSON) plus the
 batch count, the per-source token counts and a fingerprint of what the data depend on, saved in
@@ -51,22 +51,22 @@ READ_THREADS, READ_BUFFER = 2, 4  # per process/worker: Grain's read threads and
 
 
 class _Part:
-    """One source of ``train.data``: opened, checked and split (no Grain objects yet)."""
+    """One source of ``data.source``: opened, checked and split (no Grain objects yet)."""
 
     def __init__(self, spec: str, index: int, cfg, split: str):
-        t = cfg.train
-        S = t.seq_len
-        docs_mode = t.packing == "documents"
-        sep = t.doc_sep_id if t.doc_sep_id >= 0 else None
+        d = cfg.data
+        S = cfg.train.seq_len
+        docs_mode = d.packing == "documents"
+        sep = d.doc_sep_id if d.doc_sep_id >= 0 else None
         self.spec, self.index = spec, index
         self.src = open_source(spec, doc_sep=sep if docs_mode else None)
-        self.tokenize = Tokenize(t.tokenizer) if self.src.text else None
+        self.tokenize = Tokenize(d.tokenizer) if self.src.text else None
         self.flat = self.src.stream is not None and not docs_mode
         # `default` has its documents (one per standard-library file); a tokens: file has none
         # without its separator (a whole shard would be one document)
         if docs_mode and self.src.stream is not None and sep is None and spec != "default":
-            raise UserError(f"train.packing=documents needs document boundaries in the flat token "
-                            f"stream {spec}: set train.doc_sep_id to its separator token id")
+            raise UserError(f"data.packing=documents needs document boundaries in the flat token "
+                            f"stream {spec}: set data.doc_sep_id to its separator token id")
         if self.tokenize is not None:
             self.vocab_size = self.tokenize.vocab_size
             self.max_id = self.vocab_size - 1
@@ -116,9 +116,9 @@ class _Part:
         if self.tokenize is not None:
             ds = ds.map(self.tokenize)
         it = ds.to_iter_dataset(read)
-        if t.packing == "documents":
+        if cfg.data.packing == "documents":
             bins = max(8, t.batch_size // pcount)
-            return pack(it, t.seq_len, bins, t.mask_doc_start, self.index)
+            return pack(it, t.seq_len, bins, cfg.data.mask_doc_start, self.index)
         return concat_split(it, t.seq_len, self.index)
 
 
@@ -127,7 +127,7 @@ class DataIterator:
 
     def __init__(self, cfg, split: str = "train", *, process_index: int = 0, process_count: int = 1,
                  workers: int | None = None):
-        t = cfg.train
+        t, d = cfg.train, cfg.data
         if split not in ("train", "eval"):
             raise UserError(f"data split {split!r} must be 'train' or 'eval'")
         if process_count < 1 or not 0 <= process_index < process_count:
@@ -135,19 +135,19 @@ class DataIterator:
         if t.batch_size % process_count:
             raise UserError(f"train.batch_size={t.batch_size} is not divisible by the "
                             f"{process_count} processes")
-        if t.data_workers < 0:
-            raise UserError(f"train.data_workers={t.data_workers} must be >= 0 (0: no worker processes)")
-        if t.packing not in ("windows", "documents"):
-            raise UserError(f"train.packing={t.packing!r} is not 'windows' or 'documents'")
-        if t.mask_doc_start and t.packing != "documents":
-            raise UserError("train.mask_doc_start needs train.packing=documents (windows have no "
+        if d.workers < 0:
+            raise UserError(f"data.workers={d.workers} must be >= 0 (0: no worker processes)")
+        if d.packing not in ("windows", "documents"):
+            raise UserError(f"data.packing={d.packing!r} is not 'windows' or 'documents'")
+        if d.mask_doc_start and d.packing != "documents":
+            raise UserError("data.mask_doc_start needs data.packing=documents (windows have no "
                             "document starts)")
         self.cfg, self.split = cfg, split
-        self.name, self.seq_len, self.seed, self.batch_size = t.data, t.seq_len, int(t.seed), t.batch_size
+        self.name, self.seq_len, self.seed, self.batch_size = d.source, t.seq_len, int(t.seed), t.batch_size
         self.process_index, self.process_count = process_index, process_count
         self.local_batch = t.batch_size // process_count
-        self.workers = t.data_workers if workers is None else workers
-        self.weights = parse_data_spec(t.data)
+        self.workers = d.workers if workers is None else workers
+        self.weights = parse_data_spec(d.source)
         self.parts = [_Part(spec, i, cfg, split) for i, (_, spec) in enumerate(self.weights)]
         known = [p.vocab_size for p in self.parts if p.vocab_size is not None]
         self.vocab_size = max(known) if known else 0
@@ -204,10 +204,10 @@ class DataIterator:
 
     # -- position -------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
-        t = self.cfg.train
+        d = self.cfg.data  # the keys are those of the checkpoints written before the config split
         fp = {"data": self.name, "split": self.split, "seed": self.seed, "seq_len": self.seq_len,
-              "batch_size": self.batch_size, "packing": t.packing, "mask_doc_start": t.mask_doc_start,
-              "doc_sep_id": t.doc_sep_id}
+              "batch_size": self.batch_size, "packing": d.packing, "mask_doc_start": d.mask_doc_start,
+              "doc_sep_id": d.doc_sep_id}
         if not self.portable:
             fp.update(data_workers=self.workers, process_count=self.process_count)
         return fp
@@ -228,7 +228,7 @@ class DataIterator:
             if not self.portable:
                 raise UserError(f"data {self.name}: this run continues at batch {state['seek_batch']} of another "
                                 "framework's run, a position that only one tokens:/default source in "
-                                "train.packing=windows can take; use such a source for the resumed run")
+                                "data.packing=windows can take; use such a source for the resumed run")
             self.close()
             self.batch_index = self._start = int(state["seek_batch"])
             self.tokens = {p.spec: 0 for p in self.parts}
@@ -247,7 +247,7 @@ class DataIterator:
             what = ", ".join(f"{k}: saved {state.get(k)!r} vs now {mine[k]!r}" for k in diff)
             what = what or "no Grain state: saved by an older jaxmoe"
             raise UserError(f"data position does not match this data ({what}); resume with the same "
-                            "train.data, seed, seq_len, batch_size, packing and data_workers")
+                            "data.source, seed, seq_len, batch_size, packing and data_workers")
         self.close()
         self.batch_index = int(state["batch_index"])
         self.tokens = {p.spec: int(state["tokens"].get(p.spec, 0)) for p in self.parts}

@@ -163,11 +163,11 @@ def default_corpus_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise UserError(f"default corpus: the Python standard library source directory {root} is "
-                        "missing; use --set train.data=tokens:PATH or text:PATH")
+                        "missing; use --set data.source=tokens:PATH or text:PATH")
     files = [p for p in root.rglob("*.py")
              if not (_SKIP_DIRS & set(p.relative_to(root).parts[:-1])) and p.is_file()]
     if not files:
-        raise UserError(f"default corpus: no .py files under {root}; use --set train.data=tokens:PATH or text:PATH")
+        raise UserError(f"default corpus: no .py files under {root}; use --set data.source=tokens:PATH or text:PATH")
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

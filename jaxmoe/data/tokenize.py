@@ -57,8 +57,8 @@ def load_tokenizer(path: str | None):
         return ByteTokenizer()
     p = Path(path).expanduser()
     if not p.is_file():
-        raise UserError(f"tokenizer file {p} does not exist (train.tokenizer)")
-    Tokenizer = require("tokenizers", "train.tokenizer").Tokenizer  # late: the optional [text] extra
+        raise UserError(f"tokenizer file {p} does not exist (data.tokenizer)")
+    Tokenizer = require("tokenizers", "data.tokenizer").Tokenizer  # late: the optional [text] extra
     try:
         return HFTokenizer(Tokenizer.from_file(str(p)))
     except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on bad JSON)
@@ -73,7 +73,7 @@ class Tokenize:
 
     def __init__(self, tokenizer_path: str | None):
         if not tokenizer_path:
-            raise UserError("text data needs a tokenizer: --set train.tokenizer=PATH/tokenizer.json "
+            raise UserError("text data needs a tokenizer: --set data.tokenizer=PATH/tokenizer.json "
                             "(make one with `jaxmoe tokenizer`)")
         self.tokenizer_path = tokenizer_path
         self._tok = load_tokenizer(self.tokenizer_path)

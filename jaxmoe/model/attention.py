@@ -4,14 +4,14 @@ Both are NNX modules ``attn(x, cos, sin, segment_ids=None) -> [B, S, D]`` whose 
 ``attn/`` sub-tree of docs/LAYOUT.md. Scores and softmax are computed in fp32; the value matmul runs in the compute
 dtype with fp32 accumulation.
 
-The score/softmax/value kernel is a named choice, ``train.attention_kernel`` (:func:`attend`):
+The score/softmax/value kernel is a named choice, ``compute.attention_kernel`` (:func:`attend`):
 
 * ``dot_product``: ``jax.nn.dot_product_attention`` -- cuDNN flash attention on GPU (bf16/fp16;
   the ``[B, H, S, S]`` scores are never stored), XLA's implementation where cuDNN does not apply
   (CPU, fp32, unsupported head dims: decided at trace time, falling back to XLA).
 * ``explicit``: the scores materialised by hand (:func:`causal_softmax_attend`). On XLA:CPU the
   XLA implementation of ``dot_product_attention`` materialises the same scores too and its
-  compiled fwd+bwd moved ~20% more bytes for the same FLOPs (docs/MEASUREMENTS.md, "perf").
+  compiled fwd+bwd moved more bytes for the same FLOPs (docs/MEASUREMENTS.md, "Train step").
 * ``auto`` (default): ``dot_product`` on GPU, ``explicit`` elsewhere.
 
 Document packing (``segment_ids [B, S]`` int, documents numbered 1, 2, ... in a row, 0 = padding):
@@ -84,7 +84,7 @@ def attend(q, k, v, scale, kernel: str = "auto", segment_ids=None):
     of ``KV``) -> ``[B,S,H,dv]`` in ``q.dtype``, by ``kernel`` (module doc); with
     ``segment_ids [B, S]`` no token attends across a document boundary (:func:`document_mask`)."""
     if kernel not in KERNELS:
-        raise ValueError(f"unknown train.attention_kernel {kernel!r}; use one of {', '.join(KERNELS)}")
+        raise ValueError(f"unknown compute.attention_kernel {kernel!r}; use one of {', '.join(KERNELS)}")
     if kernel == "auto":
         kernel = "dot_product" if jax.default_backend() == "gpu" else "explicit"
     if kernel == "dot_product":
@@ -226,7 +226,7 @@ ATTENTION = {"gqa": GQAttention, "mla": MLAttention}  # model.attention -> modul
 
 def make_attention(m: ModelConfig, *, stack: tuple = (), kernel: str = "auto", rngs: nnx.Rngs) -> nnx.Module:
     """The attention module of ``m`` (``model.attention``) with score kernel ``kernel``
-    (``train.attention_kernel``)."""
+    (``compute.attention_kernel``)."""
     return ATTENTION[m.attention](m, stack=stack, kernel=kernel, rngs=rngs)
 
 

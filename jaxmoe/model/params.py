@@ -46,9 +46,9 @@ from flax import nnx
 
 from jaxmoe.model.layers import linear, rms_norm
 
-# optimizer groups: "matrix" (Muon under train.optimizer=muon; AdamW with decay otherwise),
-# "embed" (AdamW; decayed only if train.decay_embeddings), "head" (AdamW, decayed), "vector"
-# (norm scales and other per-feature vectors: AdamW, decayed only if train.decay_norms)
+# optimizer groups: "matrix" (Muon under optim.optimizer=muon; AdamW with decay otherwise),
+# "embed" (AdamW; decayed only if optim.decay_embeddings), "head" (AdamW, decayed), "vector"
+# (norm scales and other per-feature vectors: AdamW, decayed only if optim.decay_norms)
 GROUPS = ("matrix", "embed", "head", "vector")
 
 

@@ -19,7 +19,7 @@ part of the module's structure, so no call below the model's own takes one.
 Layer stacks are scanned: the dense layers and the MoE layers are each one layer module declared
 with a leading ``layers`` axis (``stack=(L,)``), run by ``jax.lax.scan`` over its split state
 (inside the scan body the merged layer holds one layer's slices), so compile time does not grow
-with depth. ``cfg.train.remat`` wraps one layer in
+with depth. ``cfg.compute.remat`` wraps one layer in
 ``jax.checkpoint``: ``none``; ``full`` (save nothing, recompute the layer); ``save_dots`` (keep
 matmul outputs); ``offload`` (the named residuals :data:`OFFLOADED` -- layer inputs, attention
 output, MoE block input and output -- go to ``pinned_host``; the rest is recomputed).
@@ -66,7 +66,7 @@ class DecoderLayer(nnx.Module):
         m = cfg.model
         norm = stack_axes(stack, ("norm",))
         self.attn_norm = RMSNorm.declare(stack + (m.d_model,), norm, ones(), eps=m.rms_norm_eps)
-        self.attn = make_attention(m, stack=stack, kernel=cfg.train.attention_kernel, rngs=rngs)
+        self.attn = make_attention(m, stack=stack, kernel=cfg.compute.attention_kernel, rngs=rngs)
         self.ffn_norm = RMSNorm.declare(stack + (m.d_model,), norm, ones(), eps=m.rms_norm_eps)
 
     def ffn(self, h, forced_idx=None):
@@ -122,7 +122,7 @@ OFFLOADED = ("layer_in", "attn_out", "ffn_in", "ffn_out")
 
 
 def _remat(fn: Callable, mode: str) -> Callable:
-    """Wrap one layer's function in ``jax.checkpoint`` according to ``cfg.train.remat``."""
+    """Wrap one layer's function in ``jax.checkpoint`` according to ``cfg.compute.remat``."""
     if mode == "none":
         return fn
     if mode == "full":
@@ -137,12 +137,12 @@ def _remat(fn: Callable, mode: str) -> Callable:
             offload_dst="pinned_host",
         )
         return jax.checkpoint(fn, policy=policy)
-    raise ValueError(f"unknown train.remat {mode!r}")
+    raise ValueError(f"unknown compute.remat {mode!r}")
 
 
 def _scan_layers(layers: nnx.Module, x, forced_idx, mode, unroll, return_probes, cos, sin, segment_ids=None):
     """Run a stacked layer module over ``x`` with ``jax.lax.scan`` over its split state,
-    ``unroll`` layers per iteration (``train.scan_unroll``; 0 = all of them)."""
+    ``unroll`` layers per iteration (``compute.scan_unroll``; 0 = all of them)."""
     graphdef, state = nnx.split(layers)
     n = jax.tree.leaves(state)[0].shape[0]
 
@@ -201,13 +201,13 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         m, e = cfg.model, cfg.moe
-        dtype = DTYPES[cfg.train.dtype]
+        dtype = DTYPES[cfg.compute.dtype]
         b, s = tokens.shape
         t = b * s
         cos, sin = rope_tables(m, s, positions)
         x = self.embed(tokens).astype(dtype)
         probes: dict = {"embedding": x} if return_probes else {}
-        kw = dict(mode=cfg.train.remat, unroll=cfg.train.scan_unroll, return_probes=return_probes, cos=cos, sin=sin,
+        kw = dict(mode=cfg.compute.remat, unroll=cfg.compute.scan_unroll, return_probes=return_probes, cos=cos, sin=sin,
                   segment_ids=segment_ids)
         attn_outs = []
         if m.first_k_dense > 0:
@@ -249,7 +249,7 @@ class Transformer(nnx.Module):
     def head(self) -> jax.Array:
         """The LM head as ``[D, V]`` in the compute dtype (the tied embedding transposed):
         ``logits = hidden @ head`` with fp32 accumulation."""
-        dtype = DTYPES[self.cfg.train.dtype]
+        dtype = DTYPES[self.cfg.compute.dtype]
         w = self.embed.get_value().T if self.cfg.model.tie_embeddings else self.lm_head.get_value()
         return w.astype(dtype)
 
@@ -317,7 +317,7 @@ class Model:
     ``(hidden [B, S, D], head [D, V], aux)`` (chunked cross-entropy)."""
 
     def __init__(self, cfg: Config, dispatch: Callable | None = None):
-        self.cfg = resolve_auto(cfg)  # what the objective reads too (train.ce_chunk_tokens)
+        self.cfg = resolve_auto(cfg)  # what the objective reads too (compute.ce_chunk_tokens)
         self.dispatch = dispatch
 
     def merge(self, params: dict, buffers: dict) -> Transformer:

@@ -101,7 +101,7 @@ def _is_expert(axes) -> bool:
 
 
 def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
-    """Compile ``cfg``'s optimizer update (``cfg.train.optimizer``, ``cfg.train.muon_placement``)
+    """Compile ``cfg``'s optimizer update (``cfg.optim.optimizer``, ``cfg.optim.muon_placement``)
     on the concrete ``mesh`` (a ``jax.sharding.Mesh`` with jaxmoe's axis names), parameters and
     optimizer state placed by the rules table, once for the expert parameters (declared with an
     ``experts`` axis) and once for the rest (dense), and count the collectives of each compiled
@@ -111,14 +111,14 @@ def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
     table's. Global-norm clipping is left out (it adds one scalar all-reduce per group whatever the
     placement); everything else is the optimizer the train step runs."""
     sizes = {a: int(mesh.shape.get(a, 1)) for a in mesh.axis_names}
-    tcfg = dataclasses.replace(cfg.train, grad_clip=0.0)
+    ocfg = dataclasses.replace(cfg.optim, grad_clip=0.0)
     params, _ = abstract_params(cfg)
     groups = declared_groups(cfg)
     axes = declared_axes_flat(cfg)
     pspecs = (param_specs(params, axes, sizes, None, expert_axes_of(cfg.mesh.expert_axes))
               if specs is None else specs)
     flat_p = flatten(params)
-    out = {"module": (f"optimizer update ({tcfg.optimizer}, muon_placement={tcfg.muon_placement}, "
+    out = {"module": (f"optimizer update ({ocfg.optimizer}, muon_placement={ocfg.muon_placement}, "
                       "no clipping) compiled (SPMD-partitioned) on the mesh "
                       + ",".join(f"{a}={s}" for a, s in sizes.items() if s > 1) + f" of {mesh.size} "
                       f"{mesh.devices.flat[0].platform} devices")}
@@ -131,7 +131,7 @@ def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
         sub_g = unflatten({p: v for p, v in flatten(groups).items() if p in keep})
         sub_s = unflatten({p: v for p, v in flatten(pspecs).items() if p in keep})
         shard = jax.tree.map(lambda s: NamedSharding(mesh, s), sub_s, is_leaf=lambda x: isinstance(x, P))
-        tx = build_optimizer(tcfg, sub_p, sub_g, shard)
+        tx = build_optimizer(ocfg, cfg.train.steps, sub_p, sub_g, shard)
         state = jax.eval_shape(tx.init, sub_p)
         s_specs = matched_specs(state, sub_p, sub_s)
         s_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), s_specs, is_leaf=lambda x: isinstance(x, P))

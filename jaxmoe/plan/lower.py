@@ -74,7 +74,7 @@ def state_specs(cfg: Config, state: dict) -> dict:
 def abstract_inputs(cfg: Config, mesh):
     """``(tx, state, batch)``: ShapeDtypeStructs with NamedShardings on ``mesh`` (abstract or not)."""
     params, buffers = abstract_params(cfg)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     state = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
     specs = state_specs(cfg, state)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
@@ -84,7 +84,7 @@ def abstract_inputs(cfg: Config, mesh):
     batch = {"inputs": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs),
              "targets": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs),
              "mask": jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=bs)}
-    if cfg.train.packing == "documents":  # the data then carries the document keys (jaxmoe.data.packing)
+    if cfg.data.packing == "documents":  # the data then carries the document keys (jaxmoe.data.packing)
         batch.update({k: jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=bs) for k in PACKING_KEYS})
     return tx, state, batch
 
@@ -227,7 +227,7 @@ def optimizer_update_collectives(cfg: Config) -> dict:
     res = update_collectives(small, mesh)  # expert vs dense leaves, each compiled on its own
     out = {part: count_collectives_summary(res[part]) for part in ("expert", "dense")}
     desc = ",".join(f"{a}={v}" for a, v in sizes.items() if v > 1) or "1 device"
-    out["module"] = (f"tx.update ({small.train.optimizer}, muon_placement={small.train.muon_placement}) "
+    out["module"] = (f"tx.update ({small.optim.optimizer}, muon_placement={small.optim.muon_placement}) "
                      f"compiled by XLA:CPU on {math.prod(sizes.values())} "
                      f"devices, mesh {desc}, full width, {small.model.n_layers} layers, {small.moe.n_experts} "
                      f"experts, vocab {small.model.vocab_size}, "
@@ -255,7 +255,7 @@ def compile_on_local_devices(cfg: Config, compiler_options: dict | None = None):
     """The real train step compiled (``jax.stages.Compiled``) for this process's devices on the
     config's mesh (a concrete mesh: e.g. 8 fake CPU devices for a small preset), nothing run.
     Buffer assignment (what ``memory_analysis`` reports) is decided by XLA's HLO passes; the LLVM
-    code generation after it does not change it, so it runs unoptimised by default: ~40% less
+    code generation after it does not change it, so it runs unoptimised by default: less
     compile time, identical figures (checked on tiny muon/none: same argument/output/alias/temp
     bytes)."""
     from jaxmoe.parallel.mesh import make_mesh

@@ -61,11 +61,11 @@ def plan_config(cfg: Config, sizes: dict, *, optimizer=None, remat=None, tokens_
     if any(v == -1 for v in sizes.values()):
         raise UserError("jaxmoe plan: give every mesh axis a size (no -1: there are no devices to fill it from)")
     mesh = dataclasses.replace(cfg.mesh, **{a: sizes[a] for a in AXES})
-    train = cfg.train
+    train, optim, compute = cfg.train, cfg.optim, cfg.compute
     if optimizer:
-        train = dataclasses.replace(train, optimizer=optimizer)
+        optim = dataclasses.replace(optim, optimizer=optimizer)
     if remat:
-        train = dataclasses.replace(train, remat=remat)
+        compute = dataclasses.replace(compute, remat=remat)
     nb = math.prod(sizes[a] for a in BATCH_AXES)
     if tokens_per_device is not None:
         if tokens_per_device <= 0 or tokens_per_device % train.seq_len:
@@ -74,9 +74,8 @@ def plan_config(cfg: Config, sizes: dict, *, optimizer=None, remat=None, tokens_
                 f"{train.seq_len} (whole sequences per device)"
             )
         train = dataclasses.replace(train, batch_size=tokens_per_device // train.seq_len * nb * train.micro_batches)
-    if hasattr(train, "offload_optimizer"):  # the real option (flexshard branch); else accounting only
-        train = dataclasses.replace(train, offload_optimizer=bool(offload_optimizer))
-    cfg = cfg.replace(mesh=mesh, train=train)
+    optim = dataclasses.replace(optim, offload_optimizer=bool(offload_optimizer))
+    cfg = cfg.replace(mesh=mesh, train=train, optim=optim, compute=compute)
     validate_mesh(cfg, sizes)
     return cfg
 
@@ -113,7 +112,7 @@ def state_bytes(cfg: Config) -> dict:
     rep: list = []
     pspecs = param_specs(params, axes, sizes, rep, ea)
     bspecs = param_specs(buffers, axes, sizes, None, ea)
-    tx = build_optimizer(cfg.train, params, declared_groups(cfg))
+    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
     opt = jax.eval_shape(tx.init, params)
     ospecs = matched_specs(opt, params, pspecs)
     isP = lambda x: isinstance(x, P)  # noqa: E731
@@ -192,7 +191,7 @@ def _layer_saved(cfg: Config, t: int, moe: bool, with_experts: bool = True) -> i
     matmul output, the attention scores and probabilities ([B, H, S, S] fp32), the FFN
     intermediates (MoE: gate/up on the received rows and the received rows themselves)."""
     m, e = cfg.model, cfg.moe
-    b = _DTYPE_BYTES[cfg.train.dtype]
+    b = _DTYPE_BYTES[cfg.compute.dtype]
     s = cfg.train.seq_len
     widths = 2 * m.d_model + sum(_attn_widths(m))
     scores = 2 * (t // s) * m.n_heads * s * s * 4
@@ -207,11 +206,11 @@ def _layer_saved(cfg: Config, t: int, moe: bool, with_experts: bool = True) -> i
 
 def activation_bytes(cfg: Config, t: int) -> dict:
     """Activations per device by memory space for ``t`` tokens per micro-batch: what the
-    backward keeps (by ``train.remat``), one layer's working set (its expert part is counted in
+    backward keeps (by ``compute.remat``), one layer's working set (its expert part is counted in
     :func:`dispatch_bytes`), and the loss's fp32 logits."""
     m = cfg.model
-    b = _DTYPE_BYTES[cfg.train.dtype]
-    mode = cfg.train.remat
+    b = _DTYPE_BYTES[cfg.compute.dtype]
+    mode = cfg.compute.remat
     ld, lm = m.first_k_dense, m.n_moe_layers
     carry = (ld + lm) * t * m.d_model * b  # the scan's saved layer inputs
     # One layer's working set in the backward. Without remat its residuals are already in `saved`
@@ -260,7 +259,7 @@ def dispatch_bytes(cfg: Config, t: int) -> int:
     m, e = cfg.model, cfg.moe
     if not m.n_moe_layers:
         return 0
-    b = _DTYPE_BYTES[cfg.train.dtype]
+    b = _DTYPE_BYTES[cfg.compute.dtype]
     r = recv_rows(cfg, t)
     blocked = resolve_auto(cfg, "gpu").moe.compute_path == "blocked"
     run = min(RUN_ROWS, r) * (2 * m.d_model + 2 * e.expert_ffn_dim) if blocked else 0
@@ -319,9 +318,9 @@ def make_plan(cfg: Config, *, offload_optimizer=False, device_memory_gb=96.0, ho
         "preset": cfg.model.name,
         "mesh": st["sizes"],
         "expert_axes": list(st["expert_axes"]),
-        "optimizer": cfg.train.optimizer,
-        "remat": cfg.train.remat,
-        "dtype": cfg.train.dtype,
+        "optimizer": cfg.optim.optimizer,
+        "remat": cfg.compute.remat,
+        "dtype": cfg.compute.dtype,
         "offload_optimizer": bool(offload_optimizer),
         "tokens_per_device": t,
         "dispatcher": cfg.mesh.dispatcher,

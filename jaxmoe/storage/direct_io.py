@@ -1,9 +1,9 @@
 """Reads and writes that bypass the page cache (``O_DIRECT``), overlapped with the caller.
 
 Why. A buffered write copies every byte into a page-cache folio. On a VM whose free memory goes
-back to the host, those folios are fresh pages, and the copy into them ran at ~480 MB/s: in a
-``perf`` profile of ``jaxmoe convert --from orbax: --to dcp:``, 29% of all CPU samples were
-``copy_folio_from_iter_atomic`` under ``pwrite``, 3.5 of the route's 7.3 s. :mod:`page_cache`
+back to the host, those folios are fresh pages, and the copy into them is slower than the disk:
+in a ``perf`` profile of ``jaxmoe convert --from orbax: --to dcp:`` it was the largest share of
+the route's time (``copy_folio_from_iter_atomic`` under ``pwrite``). :mod:`page_cache`
 recycles a few folios by flushing behind the writer, which helps only while the freed folios are
 reused before the host takes them back. An ``O_DIRECT`` write moves the bytes from this
 process's own buffer to the disk, and that buffer is the same few warm pages for the whole
@@ -309,9 +309,9 @@ class ReadAhead:
     ``rows(key, view, then)``: the block ``key`` (``view``, a map's rows, or a list of maps read
     into one buffer by :func:`read_copies`; read now unless it is the block read ahead), kept
     until another key is asked for; ``then`` = ``(key, view)`` of
-    the block wanted next. Small requests at one-in-flight run far below the disk's speed (2 MiB
-    at a time: ~350 MB/s here, against ~1.8 GB/s in 64 MiB requests); a block plus one read
-    ahead keeps the disk busy and memory at two blocks."""
+    the block wanted next. Small requests at one-in-flight run far below the disk's speed
+    (docs/MEASUREMENTS.md, "Conversion"); a block plus one read ahead keeps the disk busy and
+    memory at two blocks."""
 
     def __init__(self):
         from concurrent.futures import ThreadPoolExecutor

@@ -7,10 +7,10 @@ byte takes a *fresh* page: the written pages stay dirty until writeback, then cl
 evicted, so the cache grows by the bytes moved and evicts everything else on the node (on a
 shared machine: other jobs' files). On a VM whose free memory goes back to the host (free-page
 reporting / ballooning, as on this project's CI and dev machines) a fresh page is far dearer
-than the disk: touching 1 GiB of fresh memory took 5.8-7.3 s here (~150 MB/s), and a buffered
-1 GiB write + ``fsync`` ran at 111-130 MB/s after a pause where ``O_DIRECT`` ran at 1.5-2 GB/s.
-Writing in 64 MiB pieces, each flushed and dropped behind the writer, recycles the same few
-pages: 937-1726 MB/s for the same write (docs/MEASUREMENTS.md, "Conversion: the page cache").
+than the disk: touching fresh memory, and so a buffered write + ``fsync`` after a pause, ran
+an order of magnitude below ``O_DIRECT`` writes. Writing in 64 MiB pieces, each flushed and
+dropped behind the writer, recycles the same few pages and runs near the disk's speed
+(docs/MEASUREMENTS.md, "Conversion").
 
 How. :class:`WriteBehind` starts each written piece's writeback at once
 (``sync_file_range(WRITE)``) and, one piece later, waits for it and drops it

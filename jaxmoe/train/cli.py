@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxmoe.config import Config, load_config
+from jaxmoe.config import SECTIONS, Config, config_from_dict, load_config
 from jaxmoe.errors import UserError
 
 # jax is imported lazily (inside functions) so that `jaxmoe --help` and config errors are instant.
@@ -36,7 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     p.add_argument("--steps", type=int, help="total steps (overrides train.steps)")
     p.add_argument("--out", help="run directory (default: runs/<preset>-<time>)")
-    p.add_argument("--checkpoint-every", type=int, help="save every N steps (overrides train.checkpoint_every)")
+    p.add_argument("--checkpoint-every", type=int, help="save every N steps (overrides checkpoint.every)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest checkpoint that restores (a run "
                         "that never saved starts over from step 0 with its saved config)")
@@ -52,7 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     formats.add_arguments(p, ("source",))
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent compilation cache (also JAXMOE_COMPILE_CACHE=0)")
-    p.add_argument("--data", help="default | tokens:PATH(.bin/.npy) | text:PATH (with --set train.tokenizer=...) | "
+    p.add_argument("--data", help="default | tokens:PATH(.bin/.npy) | text:PATH (with --set data.tokenizer=...) | "
                    "mix:0.7*SPEC,0.3*SPEC")
     p.add_argument("--mesh", help="device mesh, e.g. replica=2,fsdp=2,expert=2 (one axis may be -1)")
     p.add_argument("--coordinator", help="multi-host: coordinator HOST:PORT for jax.distributed")
@@ -70,17 +70,17 @@ def _train_overrides(args) -> list[str]:
     if args.steps is not None:
         extra.append(f"train.steps={args.steps}")
     if args.checkpoint_every is not None:
-        extra.append(f"train.checkpoint_every={args.checkpoint_every}")
+        extra.append(f"checkpoint.every={args.checkpoint_every}")
     if args.data is not None:
-        extra.append(f"train.data={args.data}")
+        extra.append(f"data.source={args.data}")
     return extra
 
 
 # keys a resumed run may change without invalidating the checkpoint
 _RESUME_MUTABLE = {
-    ("train", "steps"), ("train", "checkpoint_every"), ("train", "eval_every"), ("train", "eval_batches"),
-    ("train", "log_every"), ("train", "keep_checkpoints"), ("train", "max_bad_steps"),
-    ("train", "checkpoint_minutes"), ("train", "async_loop"),
+    ("train", "steps"), ("checkpoint", "every"), ("train", "eval_every"), ("train", "eval_batches"),
+    ("train", "log_every"), ("checkpoint", "keep"), ("train", "max_bad_steps"),
+    ("checkpoint", "minutes"), ("train", "async_loop"),
     ("mesh", "replica"), ("mesh", "fsdp"), ("mesh", "expert"), ("mesh", "tensor"), ("mesh", "dispatcher"),
     ("mesh", "dispatch_chunks"), ("mesh", "xla_flags_profile"),
 }
@@ -131,7 +131,7 @@ def resolve_config(args) -> tuple[Config, Path, object]:
             asked = load_config(preset=args.preset, path=args.config, overrides=list(args.overrides) + extra)
         else:
             asked = load_config(path=saved, overrides=list(args.overrides) + extra)
-        for section in ("model", "moe", "mesh", "train"):
+        for section in SECTIONS:
             a, b = getattr(asked, section), getattr(saved_cfg, section)
             for f in dataclasses.fields(a):
                 if (section, f.name) in _RESUME_MUTABLE:
@@ -170,7 +170,7 @@ def _resume_from_config(args, spec: str, titan, extra):
     if args.preset or args.config:
         base = load_config(preset=args.preset, path=args.config, overrides=rest)
     else:
-        base = dataclasses.replace(res.src.cfg, train=dataclasses.replace(res.src.cfg.train))
+        base = config_from_dict({}, base=res.src.cfg)  # a copy of every section (fix_config edits it)
         for text in rest:
             apply_setting(base, *parse_override(text))
     cfg = config_from_source(base, res.src, model_over)
@@ -251,6 +251,6 @@ def _check_data_path(cfg: Config) -> None:
     """The spec's form (``mix:`` weights included); kinds and paths are checked by the sources."""
     from jaxmoe.data.mixture import parse_data_spec  # pure Python: no grain needed here
 
-    for _, spec in parse_data_spec(cfg.train.data):
+    for _, spec in parse_data_spec(cfg.data.source):
         if spec != "default" and ":" not in spec:
             raise UserError(f"--data {spec!r}: expected default, KIND:PATH (tokens:, text:, ...) or mix:...")

@@ -15,9 +15,9 @@ keeps its peak heap size until it exits. Not glibc (macOS, musl): nothing happen
 ``JAXMOE_SYSTEM_MALLOC=1``.
 
 ``jaxmoe train`` applies it at start-up, and so do ``bench/experts.py`` and ``bench/train_step.py``'s
-jaxmoe worker. On a quiet machine it made no measurable difference to the train step; on this
-2-core machine with other processes holding memory (the bench's peer workers) the coarse step
-ran 1253 tok/s without it and 1918 with it (docs/MEASUREMENTS.md, "Host allocator").
+jaxmoe worker. On a quiet machine it made no measurable difference to the train step; on a
+2-core machine with other processes holding memory (the bench's peer workers) the step ran
+markedly faster with it (docs/MEASUREMENTS.md, "Host allocator").
 """
 
 from __future__ import annotations

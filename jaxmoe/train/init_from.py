@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmoe.config import Config, apply_setting, parse_override, validate
+from jaxmoe.config import SECTIONS, Config, apply_setting, parse_override, validate
 from jaxmoe.errors import ConfigError, UserError
 from jaxmoe.model.transformer import abstract_params, model_declarations
 from jaxmoe.port.formats import bind_options, open_source, parse_endpoint
@@ -91,8 +91,7 @@ def record_source_files(src, run_dir) -> list[str]:
 def config_from_source(base: Config, src, overrides) -> Config:
     """``base`` with its model sections taken from the source, then the user's model overrides,
     checked to keep every tensor's shape."""
-    cfg = Config(**{s: dataclasses.replace(getattr(base, s)) for s in ("model", "moe", "mesh", "train")},
-                 description=base.description)
+    cfg = Config(**{s: dataclasses.replace(getattr(base, s)) for s in SECTIONS}, description=base.description)
     for s in MODEL_SECTIONS:
         setattr(cfg, s, dataclasses.replace(getattr(src.cfg, s)))
     for text in overrides:

@@ -15,21 +15,17 @@
 3. **Stopping**: the last step, ``--stop-after``, ``train.max_bad_steps`` non-finite steps in a
    row, or SIGTERM/SIGINT (``jaxmoe.train.preempt``: finish the step, save, exit 75).
 
-Checkpoint cadence: every ``train.checkpoint_every`` steps, and every
-``train.checkpoint_minutes`` of training (turned into a step count from the measured step time
-after two steps, so that every process of a multi-process run decides alike), and at the end.
+What a step writes and when the run saves live beside the loop: :mod:`jaxmoe.train.metrics` (the
+row, TensorBoard, the progress line, MFU), :mod:`jaxmoe.train.checkpoint_policy` (every
+``checkpoint.every`` steps or about every ``checkpoint.minutes``, and at the end),
+:mod:`jaxmoe.train.evaluate` (``eval_ce``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import statistics
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -38,22 +34,17 @@ from jaxmoe.checkpoint.checkpointer import Checkpointer
 from jaxmoe.checkpoint.run_dir import RunDir
 from jaxmoe.config import Config, config_to_toml
 from jaxmoe.config.autoconf import auto_choices, backend_kind
-from jaxmoe.config.counting import flops_per_token
-from jaxmoe.data import gather_states, make_data
+from jaxmoe.data import make_data
 from jaxmoe.errors import UserError
 from jaxmoe.model.transformer import Model, abstract_params, declared_groups, init_fn
 from jaxmoe.train import compile_cache
-from jaxmoe.train.optim import build_optimizer, lr_schedule
+from jaxmoe.train.checkpoint_policy import CheckpointPolicy
+from jaxmoe.train.evaluate import Evaluator
+from jaxmoe.train.metrics import MetricsSink, log
+from jaxmoe.train.optim import build_optimizer
 from jaxmoe.train.preempt import EXIT_PREEMPTED, Preemption
 from jaxmoe.train.prefetch import Prefetcher
-from jaxmoe.train.step import (
-    device_peak_flops,
-    init_state,
-    make_eval_step,
-    make_train_step,
-    opt_init_fn,
-    state_shardings,
-)
+from jaxmoe.train.step import init_state, make_train_step, opt_init_fn, state_shardings
 
 EXIT_STOPPED = 3  # train.max_bad_steps non-finite steps in a row
 
@@ -65,40 +56,6 @@ class RunResult:
     out: Path
     stopped: str = ""
     exit_code: int = 0
-
-
-class Progress:
-    """A one-line progress bar with ETA on a terminal; plain periodic lines otherwise."""
-
-    def __init__(self, total: int, start: int, stream=None):
-        # sys.stderr looked up now, not at import (it may have been replaced since, e.g. by pytest)
-        self.total, self.start, self.stream = total, start, stream if stream is not None else sys.stderr
-        self.t0 = time.perf_counter()
-        self.tty = self.stream.isatty()
-
-    def update(self, step: int, text: str) -> None:
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(step - self.start, 1) * (self.total - step)
-        filled = int(24 * step / max(self.total, 1))
-        line = f"[{'#' * filled}{'.' * (24 - filled)}] {step}/{self.total} {text} eta {eta:5.0f}s"
-        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def _to_py(x: Any) -> Any:
-    if hasattr(x, "tolist"):
-        v = np.asarray(x).tolist()
-        return None if isinstance(v, float) and not math.isfinite(v) else v
-    return x
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class Trainer:
@@ -150,14 +107,14 @@ class Trainer:
             if self.resume_step is not None:
                 state, meta = ckpt.restore(target, step=self.resume_step)
             else:
-                state, meta, step, skipped = ckpt.restore_newest_good(target, log=_log)
+                state, meta, step, skipped = ckpt.restore_newest_good(target, log=log)
                 if skipped:
-                    _log(f"resuming from checkpoint {step}, the newest that restores")
+                    log(f"resuming from checkpoint {step}, the newest that restores")
             return state, int(meta["step"]), meta.get("data")
         if self.resume_from is not None:  # a torchtitan checkpoint's state (jaxmoe.train.titan_resume)
             return self.resume_from.initial_state(cfg, tx, shardings)
         if self.resume:
-            _log(f"--resume: {self.out} has no checkpoint yet; starting it over from step 0 with "
+            log(f"--resume: {self.out} has no checkpoint yet; starting it over from step 0 with "
                  "its saved config")
         return self._fresh_state(tx, shardings), 0, None
 
@@ -166,8 +123,8 @@ class Trainer:
         cfg, rd = self.cfg, self.rd
         rec = rd.record()
         if self.resume and rec.get("steps") not in (None, cfg.train.steps):
-            _log(f"warning: train.steps is {cfg.train.steps} (was {rec['steps']}): the learning-rate "
-                 f"schedule now spans {cfg.train.steps} steps (warmup {cfg.train.warmup_steps}, decay "
+            log(f"warning: train.steps is {cfg.train.steps} (was {rec['steps']}): the learning-rate "
+                 f"schedule now spans {cfg.train.steps} steps (warmup {cfg.optim.warmup_steps}, decay "
                  f"to min_lr at step {cfg.train.steps}); resume with --steps {rec['steps']} to keep it")
         fields: dict = {"jaxmoe": "0.1.0", "steps": cfg.train.steps, "status": "running",
                         "start_step": start}
@@ -175,7 +132,7 @@ class Trainer:
         if chosen:
             fields["resolved"] = {"backend": backend_kind(), **chosen}
             if rd.primary and not self.quiet:  # --quiet: run.json only (errors stay one line)
-                _log("auto (" + backend_kind() + "): " + ", ".join(f"{k}={v}" for k, v in chosen.items()))
+                log("auto (" + backend_kind() + "): " + ", ".join(f"{k}={v}" for k, v in chosen.items()))
         if self.init_from is not None:
             from jaxmoe.train.init_from import fingerprint, record_source_files
 
@@ -200,7 +157,7 @@ class Trainer:
         secs = time.perf_counter() - t0
         if not self.quiet and self.rd.primary:
             src = " (from the compilation cache)" if hits.hits else ""
-            _log(f"compiling the train step ... {secs:.1f}s{src}")
+            log(f"compiling the train step ... {secs:.1f}s{src}")
         return compiled, secs, hits.hits
 
     # -- the run ---------------------------------------------------------------------------------
@@ -233,10 +190,10 @@ class Trainer:
         cfg, rd = self.cfg, self.rd
         self.cache_dir = compile_cache.enable(self.compile_cache_on)
         params = abstract_params(cfg)[0]
-        tx = build_optimizer(cfg.train, params, declared_groups(cfg),  # Muon placement reads
+        tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg),  # Muon placement reads
                              None if self.mesh_ctx is None else  # the params' shardings
                              self.mesh_ctx.state_shardings({"params": params})["params"])
-        ckpt = Checkpointer(rd.ckpt_dir, keep=cfg.train.keep_checkpoints)
+        ckpt = Checkpointer(rd.ckpt_dir, keep=cfg.checkpoint.keep)
         aborted = False
         try:
             state, start, data_state = self._initial_state(tx, ckpt)
@@ -248,12 +205,12 @@ class Trainer:
                                     "--steps to continue it")
                 self._record(0)  # --stop-after 0: a recorded run that --resume starts at step 0
                 rd.write_record(status="stopped", last_step=0)
-                _log(f"stopped before step 1 (--stop-after 0); continue with: jaxmoe train --resume "
+                log(f"stopped before step 1 (--stop-after 0); continue with: jaxmoe train --resume "
                      f"--out {rd.path}")
                 return RunResult(steps_done=0, losses=[], out=self.out)
             dropped = rd.truncate_metrics(start)
             if dropped:
-                _log(f"metrics.jsonl: dropped {dropped} rows past step {start} (they are re-run)")
+                log(f"metrics.jsonl: dropped {dropped} rows past step {start} (they are re-run)")
             self._record(start)
             return self._loop(state, start, data, tx, ckpt, preempt)
         except KeyboardInterrupt:  # a second signal: leave at once (a save in flight is dropped;
@@ -265,167 +222,77 @@ class Trainer:
                 ckpt.close()
 
     def _loop(self, state, start, data, tx, ckpt, preempt) -> RunResult:
-        cfg, t, rd = self.cfg, self.cfg.train, self.rd
+        cfg, rd = self.cfg, self.rd
         model = Model(cfg) if self.mesh_ctx is None else self.mesh_ctx.model()
-        prefetch = Prefetcher(data, self._place_batch, depth=2 if t.async_loop else 0)
-        self._metrics_f = open(rd.path / "metrics.jsonl", "a") if rd.primary else None
-        self._writer = _tensorboard(rd) if rd.primary else None
-        self._progress = Progress(t.steps, start) if (rd.primary and not self.quiet) else None
-        self._eval_fn, self._eval_data, self._sched = None, None, lr_schedule(t, t.lr)
-        self._peak, self._peak_src = device_peak_flops(t.dtype)
-        self._fpt, self._n_dev, self._tokens = flops_per_token(cfg), jax.device_count(), t.batch_size * t.seq_len
-        self._start, self._timed, self._losses = start, [], []
-        stopped, exit_code, step = "", 0, start
-        saved_step = ckpt.latest_step()
+        prefetch = Prefetcher(data, self._place_batch, depth=2 if cfg.train.async_loop else 0)
+        policy = CheckpointPolicy(cfg, ckpt, self.stop_after)
+        evaluator = Evaluator(cfg, model, self._place_batch)
+        sink = MetricsSink(cfg, rd.path, start=start, primary=rd.primary, quiet=self.quiet)
         try:
             batch = prefetch.next()
-            step_fn, self._compile_s, _ = self._compile(make_train_step(model, tx), state, batch)
-            every = t.checkpoint_every
-            pending = None  # (step, metrics on device, row extras): written one step late
-            self._t_last, self._paused = time.perf_counter(), 0.0
-            while step < self.stop_after:
-                state, m = step_fn(state, batch)  # dispatched: runs while the host does the rest
-                step += 1
-                cur = (step, m, {"data_tokens": prefetch.position["tokens"]})
-                if pending is not None:  # the previous step's metrics, fetched while this one runs
-                    stopped = self._finish(pending)
-                    pending = None
-                    if stopped:
-                        break  # this step is discarded: the synchronous loop never ran it
-                t0 = time.perf_counter()  # between steps: not charged to any step's tokens/s
-                if t.eval_every and step % t.eval_every == 0:
-                    cur[2].update(self._eval(state, model))
-                if every == 0 and t.checkpoint_minutes > 0 and len(self._timed) >= 2:
-                    every = self._steps_per_checkpoint()
-                stop_now = preempt.should_stop(step)
-                due = step == self.stop_after or (every and step % every == 0) or stop_now
-                if due and step != saved_step:
-                    # exact: only a state whose last step was finite, except when preempted (the
-                    # skipped steps left the params as they were: the state is still consistent)
-                    if stop_now or int(jax.device_get(state["bad_steps"])) == 0:
-                        ckpt.save(step, state, {"step": step,
-                                                "data": gather_states(prefetch.position, jax.process_count()),
-                                                "config": cfg.to_dict()})
-                        saved_step = step
-                self._paused += time.perf_counter() - t0
-                if t.async_loop:
-                    pending = cur
-                else:
-                    stopped = self._finish(cur)
-                    if stopped:
-                        break
-                if stop_now or step == self.stop_after:
-                    break
-                batch = prefetch.next()
-            if pending is not None:
-                stopped = self._finish(pending)
+            step_fn, sink.compile_s, _ = self._compile(make_train_step(model, tx), state, batch)
+            state, stopped = self._steps(step_fn, state, start, batch, prefetch, policy, evaluator, sink, preempt)
+            exit_code = 0
             if stopped:
                 exit_code = EXIT_STOPPED
                 ckpt.wait()  # an asynchronous save of an earlier step may still be committing
-                stopped += self._intact(ckpt)
+                stopped += policy.intact(self.out, rd.ckpt_dir)
             elif preempt.requested:
                 ckpt.wait()
                 exit_code = EXIT_PREEMPTED
-                stopped = (f"{preempt.signal_name}: saved checkpoint {saved_step} in {rd.ckpt_dir}; "
+                stopped = (f"{preempt.signal_name}: saved checkpoint {policy.saved_step} in {rd.ckpt_dir}; "
                            f"continue with: jaxmoe train --resume --out {rd.path}")
             status = {EXIT_STOPPED: "stopped", EXIT_PREEMPTED: "preempted"}.get(exit_code, "finished")
-            rd.write_record(status=status, last_step=start + len(self._losses))
+            rd.write_record(status=status, last_step=start + len(sink.losses))
         finally:
             prefetch.close()
-            if self._eval_data is not None:
-                self._eval_data.close()
-            for f in (self._progress, self._metrics_f, self._writer):
-                if f is not None:
-                    f.close()
+            evaluator.close()
+            sink.close()
         self.state = state
-        return RunResult(steps_done=len(self._losses), losses=self._losses, out=self.out,
+        return RunResult(steps_done=len(sink.losses), losses=sink.losses, out=self.out,
                          stopped=stopped, exit_code=exit_code)
 
-    # -- per step, between steps ------------------------------------------------------------------
-    def _finish(self, pending) -> str:
-        """Fetch one step's metrics and write its row; -> a stop message, or ""."""
+    def _steps(self, step_fn, state, step, batch, prefetch, policy, evaluator, sink, preempt):
+        """Steps from ``step`` to the last, a stop or a preemption: ``(state, stop message or "")``.
+        Step n's metrics are fetched while step n+1 runs (``train.async_loop``; see the module doc)."""
         t = self.cfg.train
+        pending = None  # (step, metrics on device, row extras): written one step late
+        sink.start_clock()
+        while step < self.stop_after:
+            state, m = step_fn(state, batch)  # dispatched: runs while the host does the rest
+            step += 1
+            cur = (step, m, {"data_tokens": prefetch.position["tokens"]})
+            if pending is not None:  # the previous step's metrics, fetched while this one runs
+                stopped, pending = self._finish(sink, pending), None
+                if stopped:
+                    return state, stopped  # this step is discarded: the synchronous loop never ran it
+            t0 = time.perf_counter()  # between steps: not charged to any step's tokens/s
+            if t.eval_every and step % t.eval_every == 0:
+                cur[2].update(evaluator.run(state))
+            stop_now = preempt.should_stop(step)
+            policy.after_step(step, state, prefetch.position, sink.step_times, stop_now)
+            sink.pause(time.perf_counter() - t0)
+            if t.async_loop:
+                pending = cur
+            else:
+                stopped = self._finish(sink, cur)
+                if stopped:
+                    return state, stopped
+            if stop_now or step == self.stop_after:
+                break
+            batch = prefetch.next()
+        return state, self._finish(sink, pending) if pending is not None else ""
+
+    def _finish(self, sink: MetricsSink, pending) -> str:
+        """Fetch one step's metrics and write its row; -> a stop message, or ""."""
         step, m, extra = pending
         m = jax.device_get(m)
-        now = time.perf_counter()
-        dt = max(now - self._t_last - self._paused, 1e-9)  # eval/checkpoint time is not the step's
-        self._t_last, self._paused = now, 0.0
-        self._timed.append(dt)
-        tok_s = self._tokens / dt
-        rec = {"step": step, "loss": _to_py(m["loss"]), "ce": _to_py(m["ce"]), "z_loss": _to_py(m["z_loss"]),
-               "lb": _to_py(m["lb"]), "seq_aux": _to_py(m["seq_aux"]), "router_z": _to_py(m["router_z"]),
-               "grad_norm": _to_py(m["grad_norm"]), "lr": float(self._sched(step - 1)),
-               "tokens_per_s": tok_s, "mfu": self._fpt * tok_s / (self._peak * self._n_dev),
-               "skipped": bool(m["skipped"])}
-        if "expert_load" in m:
-            rec["expert_load_max_mean"] = _to_py(m["expert_load"])
-            rec["dropped_frac"] = _to_py(m["dropped_frac"])
-            rec["router_entropy"] = _to_py(m["router_entropy"])
-            rec["expert_counts"] = _to_py(np.asarray(m["counts"]).astype(np.int64))
-        if step == self._start + 1:
-            rec["mfu_peak_source"] = self._peak_src
-            rec["compile_s"] = round(self._compile_s, 3)
-        rec.update(extra)
-        self._losses.append(rec["loss"])
-        if rec["skipped"]:
-            _log(f"step {step}: non-finite loss, gradient or update (loss={rec['loss']}, grad_norm="
-                 f"{rec['grad_norm']}); update skipped")
-        if self._metrics_f:
-            self._metrics_f.write(json.dumps(rec) + "\n")
-            self._metrics_f.flush()
-        if self._writer is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._writer.add_scalar(k, v, step)
-        if self._progress is not None and (step % t.log_every == 0 or step == t.steps):
-            loss = f"loss {rec['loss']:.4f}" if rec["loss"] is not None else "loss nan"
-            self._progress.update(step, f"{loss} {tok_s:,.0f} tok/s")
-        bad = int(m["bad_steps"])
-        if bad >= t.max_bad_steps:
+        sink.step_row(step, m, extra)
+        bad, limit = int(m["bad_steps"]), self.cfg.train.max_bad_steps
+        if bad >= limit:
             return (f"stopped: {bad} non-finite steps in a row at step {step} "
-                    f"(train.max_bad_steps={t.max_bad_steps}); lower train.lr or check the data; ")
+                    f"(train.max_bad_steps={limit}); lower optim.lr or check the data; ")
         return ""
 
-    def _intact(self, ckpt: Checkpointer) -> str:
-        last = ckpt.latest_step()
-        if last is None:
-            return (f"no checkpoint was written; {self.out} keeps the config and metrics, and "
-                    "--resume starts it over from step 0")
-        return f"the last good checkpoint (step {last}) is intact in {self.rd.ckpt_dir}"
 
-    def _steps_per_checkpoint(self) -> int:
-        """train.checkpoint_minutes as a step count, from the median measured step time (the same
-        on every process: process 0's figure is broadcast)."""
-        step_s = statistics.median(self._timed)
-        k = max(1, round(self.cfg.train.checkpoint_minutes * 60 / max(step_s, 1e-6)))
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            k = int(multihost_utils.broadcast_one_to_all(np.int32(k)))
-        return k
-
-    def _eval(self, state, model) -> dict:
-        cfg = self.cfg
-        if self._eval_fn is None:
-            self._eval_fn = make_eval_step(model)
-        if self._eval_data is None:  # built once; the same eval batches every time
-            self._eval_data = make_data(cfg, "eval", process_index=jax.process_index(),
-                                        process_count=jax.process_count(), workers=0)
-        ev = self._eval_data
-        ev.reset()
-        tot = [float(jax.device_get(self._eval_fn(state["params"], state["buffers"],
-                                                   self._place_batch(ev.next_batch()))["ce"]))
-               for _ in range(cfg.train.eval_batches)]
-        return {"eval_ce": sum(tot) / len(tot)}
-
-
-def _tensorboard(rd: RunDir):
-    try:  # optional: tensorboardX is an extra
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        _log("note: tensorboardX is not installed (pip install 'jaxmoe[tb]'); no TensorBoard files")
-        return None
-    return SummaryWriter(str(rd.path / "tb"))
-
-
-__all__ = ["EXIT_PREEMPTED", "EXIT_STOPPED", "Progress", "RunResult", "Trainer"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_STOPPED", "RunResult", "Trainer"]

@@ -7,7 +7,7 @@ Computed from the model's outputs -- the logits and the routing record ``aux`` t
   caller passes ``n_valid``), plus the output-logit z-loss ``logsumexp^2`` with the same reduction.
   ``chunked_cross_entropy``: ``ce + z_coef * z`` from the final hidden states and the LM head,
   ``chunk_tokens`` tokens at a time with the gradients computed in the same pass, so the
-  ``[T, V]`` fp32 logits are never held whole (``train.ce_chunk_tokens``).
+  ``[T, V]`` fp32 logits are never held whole (``compute.ce_chunk_tokens``).
 * Router losses per MoE layer, summed over layers (:func:`router_losses`): Switch load balance,
   DeepSeek-V3 sequence-wise balance, router z-loss. With ``moe.lb_scope = "pooled"`` the load
   balance is instead transformers' Mixtral/Qwen3 form (:func:`pooled_load_balance_loss`): all MoE

@@ -31,11 +31,11 @@ def model_loss(model: Model, params, buffers, batch, *, n_valid=None):
     cfg = model.cfg
     forced_idx = _forced_from_batch(batch)
     pk = packing_kwargs(batch)
-    if cfg.train.ce_chunk_tokens > 0:  # CE fused with the LM head, chunked: no [T, V] logits held
+    if cfg.compute.ce_chunk_tokens > 0:  # CE fused with the LM head, chunked: no [T, V] logits held
         hidden, head, aux = model(params, buffers, batch["inputs"], forced_idx=forced_idx, return_hidden=True, **pk)
         zc = cfg.train.z_loss_coef
         tok_loss, _, z = chunked_cross_entropy(hidden, head, batch["targets"], batch["mask"], n_valid,
-                                               cfg.train.ce_chunk_tokens, zc)
+                                               cfg.compute.ce_chunk_tokens, zc)
         b, s = batch["targets"].shape
         # ce := tok_loss - zc * z (z without gradient): ce in value (up to rounding), carrying the
         # gradient of ce + zc * z, which is how weigh_terms and make_grad_fn combine the two

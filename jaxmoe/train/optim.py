@@ -1,11 +1,11 @@
 """Optimizers for jaxmoe: learning-rate schedules, AdamW with masked decay, and Muon.
 
 Everything here works on generic parameter pytrees (nested dicts of arrays) and returns ``optax``
-transformations, so the training loop only sees ``build_optimizer(tcfg, params, groups)``. Which
+transformations, so the training loop only sees ``build_optimizer(cfg.optim, cfg.train.steps, params, groups)``. Which
 parameter gets which treatment comes from its declared optimizer group (``matrix``, ``embed``,
 ``head``, ``vector``; :mod:`jaxmoe.model.params`), never from its name.
 
-Two optimizer set-ups (``train.optimizer``):
+Two optimizer set-ups (``optim.optimizer``):
 
 * ``adamw``: AdamW on every parameter (decoupled weight decay, masked by :func:`decay_mask`).
 * ``muon``: Muon on every ``matrix`` parameter (:func:`param_labels` == "muon"), AdamW on the
@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 from jaxmoe.config import schedule
-from jaxmoe.config.schema import TrainConfig
+from jaxmoe.config.schema import OptimConfig
 from jaxmoe.train.muon_placement import orthogonalise
 from jaxmoe.trees import key_path_str
 
@@ -45,9 +45,9 @@ from jaxmoe.trees import key_path_str
 # --------------------------------------------------------------------------------------------
 
 
-def lr_schedule(tcfg: TrainConfig, base_lr: float) -> Callable[[Any], jax.Array]:
+def lr_schedule(ocfg: OptimConfig, steps: int, base_lr: float) -> Callable[[Any], jax.Array]:
     """:func:`jaxmoe.config.schedule.lr_schedule` in jax: ``step`` may be a traced integer."""
-    return schedule.lr_schedule(tcfg, base_lr, xp=jnp)
+    return schedule.lr_schedule(ocfg, steps, base_lr, xp=jnp)
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,15 +62,15 @@ def param_labels(groups) -> Any:
     return jax.tree_util.tree_map(lambda g: "muon" if g == "matrix" else "adamw", groups)
 
 
-def decay_mask(groups, tcfg: TrainConfig) -> Any:
+def decay_mask(groups, ocfg: OptimConfig) -> Any:
     """True where AdamW applies weight decay: ``matrix`` and ``head`` always; ``vector`` (norms and
-    other vectors) only if ``tcfg.decay_norms``; ``embed`` only if ``tcfg.decay_embeddings``."""
+    other vectors) only if ``ocfg.decay_norms``; ``embed`` only if ``ocfg.decay_embeddings``."""
 
     def decide(g):
         if g == "embed":
-            return bool(tcfg.decay_embeddings)
+            return bool(ocfg.decay_embeddings)
         if g == "vector":
-            return bool(tcfg.decay_norms)
+            return bool(ocfg.decay_norms)
         if g in ("matrix", "head"):
             return True
         raise ValueError(f"unknown optimizer group {g!r}")
@@ -164,6 +164,16 @@ def _newton_schulz(g: jax.Array, coeffs, steps: int, eps: float, dtype) -> jax.A
     return x
 
 
+def _lr_ratio(shape, adjust_lr: str) -> float:
+    """Muon's lr adjustment for a matrix ``[..., in, out]`` (torch's ``A, B`` = ``out, in``)."""
+    n_in, n_out = shape[-2], shape[-1]
+    if adjust_lr == "original":
+        return math.sqrt(max(1.0, n_out / n_in))
+    if adjust_lr == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(n_in, n_out))
+    return 1.0
+
+
 def muon(
     learning_rate,
     *,
@@ -206,24 +216,15 @@ def muon(
     matrices where they live (experts) and gives every other matrix to one owner device, balanced
     by NS FLOPs. The same values either way; without ``shardings`` both are the plain computation.
     """
-    if adjust_lr not in ("original", "match_rms_adamw", "none"):
-        raise ValueError(f"muon adjust_lr={adjust_lr!r} is not one of original, match_rms_adamw, none")
-    if ns_dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"muon ns_dtype={ns_dtype!r} is not one of bfloat16, float32")
-    if placement not in ("replicated", "owner"):
-        raise ValueError(f"muon placement={placement!r} is not one of replicated, owner")
+    for name, value, allowed in (("adjust_lr", adjust_lr, ("original", "match_rms_adamw", "none")),
+                                 ("ns_dtype", ns_dtype, ("bfloat16", "float32")),
+                                 ("placement", placement, ("replicated", "owner"))):
+        if value not in allowed:
+            raise ValueError(f"muon {name}={value!r} is not one of {', '.join(allowed)}")
     dtype = jnp.bfloat16 if ns_dtype == "bfloat16" else jnp.float32
     by_path = {} if shardings is None else {
         key_path_str(kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
     lr_fn = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
-
-    def ratio(shape) -> float:
-        n_in, n_out = shape[-2], shape[-1]
-        if adjust_lr == "original":
-            return math.sqrt(max(1.0, n_out / n_in))  # torch: A/B = out/in
-        if adjust_lr == "match_rms_adamw":
-            return 0.2 * math.sqrt(max(n_in, n_out))
-        return 1.0
 
     def init(params):
         bufs = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -251,7 +252,7 @@ def muon(
             # difference: p + (new - p) == new exactly for small steps (Sterbenz), so an optax
             # apply_updates reproduces torch's rounding instead of adding a re-associated sum.
             p32 = p.astype(jnp.float32)
-            new = p32 * (1.0 - lr * weight_decay) - (lr * ratio(p.shape)) * o.astype(jnp.float32)
+            new = p32 * (1.0 - lr * weight_decay) - (lr * _lr_ratio(p.shape, adjust_lr)) * o.astype(jnp.float32)
             return (new - p32).astype(p.dtype)
 
         keyed, treedef = jax.tree_util.tree_flatten_with_path(updates)
@@ -277,34 +278,34 @@ def muon(
 # --------------------------------------------------------------------------------------------
 
 
-def _adamw(tcfg: TrainConfig, mask) -> optax.GradientTransformation:
+def _adamw(ocfg: OptimConfig, steps: int, mask) -> optax.GradientTransformation:
     return optax.adamw(
-        learning_rate=lr_schedule(tcfg, tcfg.lr),
-        b1=tcfg.beta1,
-        b2=tcfg.beta2,
-        eps=tcfg.eps,
-        weight_decay=tcfg.weight_decay,
+        learning_rate=lr_schedule(ocfg, steps, ocfg.lr),
+        b1=ocfg.beta1,
+        b2=ocfg.beta2,
+        eps=ocfg.eps,
+        weight_decay=ocfg.weight_decay,
         mask=mask,
     )
 
 
-def build_optimizer(tcfg: TrainConfig, params, groups, shardings=None) -> optax.GradientTransformation:
-    """Gradient clipping (``tcfg.grad_clip``; 0 = off) then AdamW, or Muon + AdamW.
+def build_optimizer(ocfg: OptimConfig, steps: int, params, groups, shardings=None) -> optax.GradientTransformation:
+    """Gradient clipping (``ocfg.grad_clip``; 0 = off) then AdamW, or Muon + AdamW.
 
     ``groups``: the optimizer group of every parameter, a pytree like ``params`` (the modules'
     declarations: :func:`jaxmoe.model.declared_groups`). ``adamw``: :func:`optax.adamw` with
-    ``lr_schedule(tcfg, tcfg.lr)`` on all params, decay masked by :func:`decay_mask`. ``muon``:
-    ``optax.multi_transform`` over :func:`param_labels`, Muon (``lr_schedule(tcfg, tcfg.muon_lr)``,
-    ``tcfg.muon_*``) on "muon" leaves and the same AdamW on "adamw" leaves. ``params`` is only
+    ``lr_schedule(ocfg, steps, ocfg.lr)`` on all params, decay masked by :func:`decay_mask`. ``muon``:
+    ``optax.multi_transform`` over :func:`param_labels`, Muon (``lr_schedule(ocfg, steps, ocfg.muon_lr)``,
+    ``ocfg.muon_*``) on "muon" leaves and the same AdamW on "adamw" leaves. ``params`` is only
     used for its structure. ``shardings``: the params' ``NamedSharding``s (a pytree like
-    ``params``) on a mesh, read by Muon's ``tcfg.muon_placement`` (:mod:`jaxmoe.train.muon_placement`).
+    ``params``) on a mesh, read by Muon's ``ocfg.muon_placement`` (:mod:`jaxmoe.train.muon_placement`).
     """
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(groups):
         raise ValueError("build_optimizer: groups do not have the structure of params")
-    mask = decay_mask(groups, tcfg)
-    if tcfg.optimizer == "adamw":
-        opt = _adamw(tcfg, mask)
-    elif tcfg.optimizer == "muon":
+    mask = decay_mask(groups, ocfg)
+    if ocfg.optimizer == "adamw":
+        opt = _adamw(ocfg, steps, mask)
+    elif ocfg.optimizer == "muon":
         labels = param_labels(groups)
         # Inside multi_transform the AdamW branch sees the non-adamw leaves as MaskedNode, so its
         # decay mask must have the same MaskedNode placeholders.
@@ -314,26 +315,26 @@ def build_optimizer(tcfg: TrainConfig, params, groups, shardings=None) -> optax.
         opt = optax.multi_transform(
             {
                 "muon": muon(
-                    lr_schedule(tcfg, tcfg.muon_lr),
-                    momentum=tcfg.muon_momentum,
-                    nesterov=tcfg.muon_nesterov,
-                    ns_coefficients=tuple(tcfg.muon_ns_coefficients),
-                    ns_steps=tcfg.muon_ns_steps,
-                    eps=tcfg.muon_eps,
-                    adjust_lr=tcfg.muon_adjust_lr,
-                    weight_decay=tcfg.muon_weight_decay,
-                    ns_dtype=tcfg.muon_ns_dtype,
-                    placement=tcfg.muon_placement,
+                    lr_schedule(ocfg, steps, ocfg.muon_lr),
+                    momentum=ocfg.muon_momentum,
+                    nesterov=ocfg.muon_nesterov,
+                    ns_coefficients=tuple(ocfg.muon_ns_coefficients),
+                    ns_steps=ocfg.muon_ns_steps,
+                    eps=ocfg.muon_eps,
+                    adjust_lr=ocfg.muon_adjust_lr,
+                    weight_decay=ocfg.muon_weight_decay,
+                    ns_dtype=ocfg.muon_ns_dtype,
+                    placement=ocfg.muon_placement,
                     shardings=shardings,
                 ),
-                "adamw": _adamw(tcfg, adamw_mask),
+                "adamw": _adamw(ocfg, steps, adamw_mask),
             },
             labels,
         )
     else:
-        raise ValueError(f"train.optimizer={tcfg.optimizer!r} is not one of adamw, muon")
-    if tcfg.grad_clip > 0:
-        opt = optax.chain(clip_by_global_norm(tcfg.grad_clip), opt)
+        raise ValueError(f"optim.optimizer={ocfg.optimizer!r} is not one of adamw, muon")
+    if ocfg.grad_clip > 0:
+        opt = optax.chain(clip_by_global_norm(ocfg.grad_clip), opt)
     return opt
 
 

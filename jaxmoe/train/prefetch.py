@@ -1,7 +1,7 @@
 """Batches prepared ahead of the step that needs them, on a background thread.
 
 The batches themselves come from the Grain pipeline (:mod:`jaxmoe.data.pipeline`, with its own
-worker processes when ``train.data_workers`` > 0); this thread takes them from it and puts them on
+worker processes when ``data.workers`` > 0); this thread takes them from it and puts them on
 the devices ahead of the step. :class:`Prefetcher` runs the data source and the placement onto
 devices (``MeshContext.place_batch`` or a plain transfer) for the next ``depth`` batches while
 the current step runs, in order (one producer thread, so batches are exactly the synchronous

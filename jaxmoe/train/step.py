@@ -52,7 +52,7 @@ def opt_init_fn(cfg: Config, tx, shardings=None):
 
 
 # --------------------------------------------------------------------------------------------
-# Where the state lives: optimizer state in pinned host memory (train.offload_optimizer)
+# Where the state lives: optimizer state in pinned host memory (optim.offload_optimizer)
 # --------------------------------------------------------------------------------------------
 
 HOST_KIND = "pinned_host"
@@ -60,15 +60,15 @@ HOST_KIND = "pinned_host"
 
 def state_shardings(cfg: Config, abstract_state: dict, mesh_ctx=None):
     """Shardings of a train state: the mesh's (``mesh_ctx.state_shardings``) or, without a mesh,
-    the first device; with ``train.offload_optimizer`` every ``opt_state`` leaf's sharding is the
+    the first device; with ``optim.offload_optimizer`` every ``opt_state`` leaf's sharding is the
     same layout in ``pinned_host`` memory. None when neither a mesh nor offloading asks for any
     (jit then places the state itself)."""
-    offload = cfg.train.offload_optimizer
+    offload = cfg.optim.offload_optimizer
     if offload:
         dev0 = jax.local_devices()[0]
         if HOST_KIND not in {m.kind for m in dev0.addressable_memories()}:
-            raise UserError(f"train.offload_optimizer: {dev0.platform} device {dev0.id} has no "
-                            f"{HOST_KIND} memory; set train.offload_optimizer=false")
+            raise UserError(f"optim.offload_optimizer: {dev0.platform} device {dev0.id} has no "
+                            f"{HOST_KIND} memory; set optim.offload_optimizer=false")
     if mesh_ctx is not None:
         sh = mesh_ctx.state_shardings(abstract_state)
     elif offload:
@@ -101,7 +101,7 @@ def make_train_step(model: Model, tx, *, donate: bool = True):
     cfg = model.cfg
     grads_fn = make_grad_fn(model)
     use_bias = cfg.moe.use_expert_bias and cfg.model.n_moe_layers > 0
-    offload = cfg.train.offload_optimizer
+    offload = cfg.optim.offload_optimizer
 
     def step(state, batch):
         params, buffers = state["params"], state["buffers"]

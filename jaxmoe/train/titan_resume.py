@@ -34,29 +34,29 @@ class TitanResume:
         self.notices = [n for n in src.notices if "skipping the training state" not in n]
 
     def fix_config(self, cfg: Config, given: set[str]) -> Config:
-        """``cfg`` with the train fields the checkpoint's AdamW fixes (lr, betas, eps, weight
+        """``cfg`` with the optim fields the checkpoint's AdamW fixes (lr, betas, eps, weight
         decay on every parameter); a ``--set`` of one to another value is refused. The schedule
         must give the checkpoint's next learning rate at its step."""
         from jaxmoe.train.optim import lr_schedule  # late: jax
 
-        ts, t = self.ts, cfg.train
+        ts, o, t = self.ts, cfg.optim, cfg.train
         want = {"optimizer": "adamw", "lr": ts.initial_lr, "beta1": ts.betas[0], "beta2": ts.betas[1],
                 "eps": ts.eps, "weight_decay": ts.weight_decay, "decay_norms": True, "decay_embeddings": True}
         for k in _FIXED:
-            if f"train.{k}" in given and getattr(t, k) != want[k]:
-                raise UserError(f"{self.what}: train.{k}={getattr(t, k)!r}, but the torchtitan run's AdamW has "
+            if {f"optim.{k}", f"train.{k}"} & given and getattr(o, k) != want[k]:
+                raise UserError(f"{self.what}: optim.{k}={getattr(o, k)!r}, but the torchtitan run's AdamW has "
                                 f"{want[k]!r} (one group, decay on every parameter); drop that --set")
-            setattr(t, k, want[k])
+            setattr(o, k, want[k])
         if ts.step >= t.steps:
             raise UserError(f"{self.what}: the checkpoint is at step {ts.step}; pass --steps N > {ts.step} "
                             "(the run's total, torchtitan's training.steps)")
-        got = float(lr_schedule(t, t.lr)(ts.count))
+        got = float(lr_schedule(o, t.steps, o.lr)(ts.count))
         if not math.isclose(got, ts.lr, rel_tol=1e-5, abs_tol=1e-12):
             raise UserError(
                 f"{self.what}: the checkpoint's next learning rate (update {ts.count}) is {ts.lr:.6g}, but "
-                f"train.schedule={t.schedule} over train.steps={t.steps} (warmup {t.warmup_steps}) gives "
-                f"{got:.6g}; set the torchtitan run's schedule (--steps, --set train.warmup_steps=, "
-                "train.titan_decay_ratio=, train.titan_decay_type=, train.min_lr_ratio=)")
+                f"optim.schedule={o.schedule} over train.steps={t.steps} (warmup {o.warmup_steps}) gives "
+                f"{got:.6g}; set the torchtitan run's schedule (--steps, --set optim.warmup_steps=, "
+                "optim.titan_decay_ratio=, optim.titan_decay_type=, optim.min_lr_ratio=)")
         tokens = ts.step * t.batch_size * t.seq_len
         if ts.ntokens_seen != tokens:
             self.notices.append(f"note: {self.what}: ntokens_seen={ts.ntokens_seen}, not step x batch x seq_len = "
@@ -114,7 +114,7 @@ class TitanResume:
         opt_state = swap(rest["opt_state"])
         if len(found) != 1:
             raise UserError(f"{self.what}: jaxmoe's optimizer has {len(found)} AdamW states; resuming needs "
-                            "train.optimizer=adamw")
+                            "optim.optimizer=adamw")
         state = {"params": params, "buffers": buffers, **rest, "opt_state": opt_state,
                  "step": put(self.ts.step, rest["step"])}
         return state, self.ts.step, {"seek_batch": self.ts.step}  # DataIterator.restore

@@ -182,7 +182,7 @@ class DcpSource(Source):
         for ent in ents:
             t = self._tensor(ent.name)
             dst = out[ent.index] if ent.index else out
-            if ent.transpose and not ent.qkv:  # tiled: a plain strided copy is ~2x slower
+            if ent.transpose and not ent.qkv:  # tiled: a plain strided copy is slower (transpose.py)
                 transpose_into(dst, t)
             else:
                 dst[...] = titan_map.jax_part(t, ent)
@@ -312,12 +312,12 @@ class DcpSink(Sink):
         if state_dir is None:
             raise UserError(f"{what} holds no optimizer state (only a jaxmoe run's checkpoint, "
                             "orbax:RUN_DIR[@STEP], does); drop --with-optimizer for a model-only step")
-        t = source.cfg.train
+        t = source.cfg.optim
         if t.optimizer != "adamw":
-            raise UserError(f"{what}: train.optimizer={t.optimizer!r}: its state (Muon momentum) has no "
+            raise UserError(f"{what}: optim.optimizer={t.optimizer!r}: its state (Muon momentum) has no "
                             "place in torchtitan's AdamW; drop --with-optimizer for a model-only step")
         if not (t.decay_norms and t.decay_embeddings):
-            raise UserError(f"{what}: the run decays only some parameters (train.decay_norms / "
+            raise UserError(f"{what}: the run decays only some parameters (optim.decay_norms / "
                             "decay_embeddings false); torchtitan's AdamW decays every parameter (one group)")
         self.adam_prefix, _ = orbax_adam_prefix(state_dir, what)
         self.source = source
@@ -336,7 +336,7 @@ class DcpSink(Sink):
             optimizer_entries,
         )
 
-        src, t = self.source, self.source.cfg.train
+        src, o, t = self.source, self.source.cfg.optim, self.source.cfg.train
 
         def scalar(key):
             return np.asarray(open_array(src.state_dir, key).read().result()).reshape(()).item()
@@ -359,10 +359,10 @@ class DcpSink(Sink):
                     parts.add(ent.qkv)
                     if len(parts) == 3:
                         self._write(f"{OPT_STATE}{ent.name}.{which}", fused.pop(ent.name)[0])
-        lr = float(lr_schedule(t, t.lr)(count))
-        group = {"fused": True, "foreach": False, "lr": lr, "betas": (t.beta1, t.beta2), "eps": t.eps,
-                 "weight_decay": t.weight_decay, "amsgrad": False, "maximize": False, "capturable": False,
-                 "differentiable": False, "decoupled_weight_decay": True, "initial_lr": t.lr}
+        lr = float(lr_schedule(o, t.steps, o.lr)(count))
+        group = {"fused": True, "foreach": False, "lr": lr, "betas": (o.beta1, o.beta2), "eps": o.eps,
+                 "weight_decay": o.weight_decay, "amsgrad": False, "maximize": False, "capturable": False,
+                 "differentiable": False, "decoupled_weight_decay": True, "initial_lr": o.lr}
         for name in names:
             self._write(f"{OPT_STATE}{name}.step", np.array(float(count), np.float32))
             for f in GROUP_FIELDS:

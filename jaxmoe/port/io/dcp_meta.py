@@ -1,13 +1,13 @@
 """A DCP step's ``.metadata`` written without importing torch (the ``dcp:`` sink).
 
 ``.metadata`` is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``; pickling the real
-classes needs torch imported (~1 s and ~300 MB here: as long as copying a 1.9 GB model at disk
-speed). :func:`metadata_bytes` emits the same pickle from plain descriptions instead: a
-pure-Python pickler (``pickle._Pickler``, the stdlib's reference implementation, which is
-subclassable per type) writes three stand-ins as the opcodes the real objects reduce to --
-:class:`Global` (a class or function by module and name: ``STACK_GLOBAL``), :class:`New` (a
-dataclass: ``NEWOBJ`` + ``BUILD`` of its state) and :class:`Call` (``REDUCE``: ``torch.Size``,
-the layout and memory-format lookups). The fields are those torch 2.13's DCP pickles (checked by
+classes needs torch imported (seconds and hundreds of MB: as long as copying a small model at disk
+speed; docs/MEASUREMENTS.md, "Conversion"). :func:`metadata_bytes` emits the same pickle from plain
+descriptions instead: a pure-Python pickler (``pickle._Pickler``, the stdlib's reference
+implementation, which is subclassable per type) writes three stand-ins as the opcodes the real
+objects reduce to -- :class:`Global` (a class or function by module and name: ``STACK_GLOBAL``),
+:class:`New` (a dataclass: ``NEWOBJ`` + ``BUILD`` of its state) and :class:`Call` (``REDUCE``:
+``torch.Size``, the layout and memory-format lookups). The fields are those torch 2.13's DCP pickles (checked by
 ``tests/test_dcp_write.py``: the bytes unpickle, with torch, to a ``Metadata`` equal to one built
 from torch's classes; and torchtitan's ``CheckpointManager`` loads what the sink writes,
 ``tests/test_dcp.py``).

@@ -13,8 +13,8 @@ def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int | None = None) ->
     """``dst[...] = src`` with its last two dims swapped (2-D: the transpose), in column tiles.
 
     A tile is ``tile`` columns of ``dst`` (default one 64-byte cache line: 16 fp32 / 32 bf16)
-    and as many rows of ``src``: both stay in cache, where ``dst[...] = src.T`` strides (5.0 vs
-    1.2 GB/s fp32; docs/MEASUREMENTS.md, "Conversion at disk speed"). Stacked arrays go matrix
+    and as many rows of ``src``: both stay in cache, where ``dst[...] = src.T`` strides through
+    memory (several times slower; docs/MEASUREMENTS.md, "Conversion"). Stacked arrays go matrix
     by matrix.
     """
     if tile is None:
