@@ -31,7 +31,7 @@ Each variant runs in its own process (device memory peaks are per process), in t
 and so does the matmul-peak measurement: the driver itself never imports jax. (It used to measure
 the peak in-process, and a JAX GPU client preallocates 75% of the device when it starts: every
 variant then ran in the 25% left, ~35 GiB of an H200, which is why the 2026-12-04 run saw
-out-of-memory on single 20-47 GiB allocations; docs/MEASUREMENTS.md.) Variants left when
+out-of-memory on single 20-47 GiB allocations; docs/MEASUREMENTS.md, "GPU".) Variants left when
 ``--budget-s`` is spent are reported as skipped. ``--dry-run`` runs the same
 variants on CPU with tiny shapes, in-process, in seconds (``ragged_mgpu`` with jnp reference
 kernels of the same contract in place of the Mosaic ones) (tests/test_bench_gpu.py runs it so

@@ -42,6 +42,13 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# the systems it times; `X as X`: re-exported (tests and step_parts.py use them as train_step.X)
+from train_step_systems import batch_np as batch_np
+from train_step_systems import cfg_batch as cfg_batch
+from train_step_systems import make_hf, make_jaxmoe, make_titan, make_torch_ref
+
 # numpy (and every library that starts threads) is imported inside the functions: a worker must
 # apply jaxmoe's allocator setting before any thread allocates (jaxmoe/train/host_alloc.py)
 
@@ -56,11 +63,28 @@ SHAPES = {
 AUTO_KEYS = ("moe.compute_path", "compute.ce_chunk_tokens", "compute.scan_unroll")
 
 
+# the torchtitan peer (``--peer torchtitan --titan FAMILY/FLAVOR``): its flavor at this batch
+TITAN_B, TITAN_S = 8, 256
+
+
+def titan_jax_config(spec: str, extra=()):
+    """What ``jaxmoe config --from-titan SPEC`` writes (torchtitan's dims, its router and expert
+    bias, its AdamW / clipping / warmup-stable-decay defaults; every ``auto`` left to ``auto``),
+    at ``TITAN_B x TITAN_S`` tokens, with ``extra`` (``--set``) on top."""
+    from jaxmoe.config.titan import titan_config
+
+    sets = [f"train.batch_size={TITAN_B}", f"train.seq_len={TITAN_S}", "train.steps=1000", *extra]
+    return titan_config(spec, sets)
+
+
 def jax_config(shape: str, extra=(), defaults: bool = False):
     """The bench shape's jaxmoe config; ``defaults``: without the tuned values of ``AUTO_KEYS``
-    (what ``jaxmoe train`` then picks itself: the preset's value where it sets one, else ``auto``)."""
+    (what ``jaxmoe train`` then picks itself: the preset's value where it sets one, else ``auto``).
+    A shape ``titan:FAMILY/FLAVOR`` is :func:`titan_jax_config` (its ``auto`` values untouched)."""
     from jaxmoe.config import load_config
 
+    if shape.startswith("titan:"):
+        return titan_jax_config(shape.removeprefix("titan:"), extra)
     s = SHAPES[shape]
     sets = {
         "model.vocab_size": V, "model.d_model": D, "model.n_layers": L, "model.first_k_dense": 0,
@@ -72,10 +96,10 @@ def jax_config(shape: str, extra=(), defaults: bool = False):
         "compute.dtype": "float32", "optim.optimizer": "adamw", "optim.grad_clip": 1.0,
         "train.z_loss_coef": 0, "train.steps": 1000, "optim.warmup_steps": 10,
         # CE fused with the LM head in 1024-token chunks: same FLOPs, -19% bytes, -20% CPU time
-        # of CE fwd+bwd at this shape (docs/MEASUREMENTS.md "Performance and memory-lean kernels")
+        # of CE fwd+bwd at this shape (docs/MEASUREMENTS.md, "Kernels")
         "compute.ce_chunk_tokens": 1024,
         # 4 layers: no layer loop, so no stacked per-layer buffers (+4% coarse, +14% fine by
-        # interleaved A/B, docs/MEASUREMENTS.md)
+        # interleaved A/B, docs/MEASUREMENTS.md, "auto defaults")
         "compute.scan_unroll": 0,
         # blocked path: groups padded to 64 rows, not the tiny presets' 8 (fewer, larger tail runs:
         # +12% coarse, +9% fine by interleaved A/B; 32 and 128 were not faster)
@@ -86,96 +110,10 @@ def jax_config(shape: str, extra=(), defaults: bool = False):
     return load_config(s["preset"], overrides=[f"{k}={v}" for k, v in sets.items()] + list(extra))
 
 
-def batch_np(seed=0):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    toks = rng.integers(0, V, (B, S + 1)).astype(np.int32)
-    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones((B, S), np.float32)}
-
-
 def matmul_peak(n=2048, reps=5) -> float:
     from jaxmoe.train.step import measure_matmul_peak
 
     return measure_matmul_peak(n, "float32", reps)
-
-
-# -- the systems: each returns a callable doing one train step on a fixed batch ----------------
-
-
-def make_jaxmoe(cfg):
-    import jax
-
-    from jaxmoe.model.transformer import Model, declared_groups, init_params
-    from jaxmoe.train.optim import build_optimizer
-    from jaxmoe.train.step import init_state, make_train_step
-
-    params, buffers = init_params(cfg, 0)
-    tx = build_optimizer(cfg.optim, cfg.train.steps, params, declared_groups(cfg))
-    box = {"state": init_state(cfg, tx, params, buffers)}
-    step = make_train_step(Model(cfg), tx)
-    batch = {k: jax.device_put(v) for k, v in batch_np().items()}
-
-    def run():
-        box["state"], m = step(box["state"], batch)
-        return m["loss"]
-
-    return run, lambda x: x.block_until_ready()
-
-
-def _hf_model(cfg):
-    import torch
-    import transformers
-
-    from jaxmoe.archs import get_arch
-    from jaxmoe.config.hf import to_hf_config
-
-    d = to_hf_config(cfg)
-    d.update(output_router_logits=False, router_aux_loss_coef=0.0, use_cache=False)
-    arch = get_arch(cfg.model.hf_arch).hf_class
-    hcfg = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(d)
-    hcfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return getattr(transformers, arch)(hcfg).train()
-
-
-def make_hf(cfg, compiled: bool):
-    import torch
-
-    model = _hf_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.1)
-    b = batch_np()
-    inputs, targets = torch.from_numpy(b["inputs"].astype("int64")), torch.from_numpy(b["targets"].astype("int64"))
-
-    def loss_fn():
-        logits = model(input_ids=inputs).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    fwd = torch.compile(loss_fn) if compiled else loss_fn
-
-    def run():
-        opt.zero_grad(set_to_none=True)
-        loss = fwd()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss
-
-    return run, lambda x: float(x)
-
-
-def make_torch_ref(cfg):
-    import torch
-
-    from torch_ref.train import make_optimizer, make_scheduler, train_step
-    from torch_ref.transformer import TorchTransformer
-
-    model = TorchTransformer(cfg, seed=0)
-    opt = make_optimizer(model, cfg)
-    sched = make_scheduler(opt, cfg)
-    b = {k: torch.from_numpy(v.astype("int64") if v.dtype == "int32" else v) for k, v in batch_np().items()}
-    return (lambda: train_step(model, opt, sched, b, cfg)["loss"]), lambda x: x
 
 
 class _TrainRun:
@@ -237,7 +175,10 @@ class _TrainRun:
 SETTLE_S = 10.0
 
 MAKERS = {"jaxmoe": make_jaxmoe, "jaxmoe_train": None, "hf_eager": lambda cfg: make_hf(cfg, False),
-          "hf_compile": lambda cfg: make_hf(cfg, True), "torch_ref": make_torch_ref}
+          "hf_compile": lambda cfg: make_hf(cfg, True), "torch_ref": make_torch_ref,
+          "torchtitan": make_titan, "torchtitan_compile": lambda cfg: make_titan(cfg, True)}
+HF_SYSTEMS = ("jaxmoe", "jaxmoe_train", "hf_eager", "hf_compile", "torch_ref")
+TITAN_SYSTEMS = ("jaxmoe", "jaxmoe_train", "torchtitan", "torchtitan_compile")
 
 
 def timed_steps(run, sync, steps: int) -> tuple[float, dict]:
@@ -263,6 +204,7 @@ def _worker(shape: str, name: str, sets, conn) -> None:
         from jaxmoe.train.host_alloc import keep_freed_memory
 
         keep_freed_memory()
+        tokens = 0
         if name == "peak":
             conn.send(("ready", {}))
         else:
@@ -270,7 +212,9 @@ def _worker(shape: str, name: str, sets, conn) -> None:
                 import torch
 
                 torch.set_num_threads(os.cpu_count() or 1)
-            run, sync = MAKERS[name](jax_config(shape, sets))
+            cfg = jax_config(shape, sets)
+            tokens = cfg.train.batch_size * cfg.train.seq_len
+            run, sync = MAKERS[name](cfg)
             t = time.perf_counter()
             sync(run())  # compilation
             first = time.perf_counter() - t
@@ -285,7 +229,7 @@ def _worker(shape: str, name: str, sets, conn) -> None:
                 conn.send(("ok", matmul_peak()))
                 continue
             dt, os_use = timed_steps(run, sync, arg)
-            conn.send(("ok", (arg * B * S / dt, os_use)))
+            conn.send(("ok", (arg * tokens / dt, os_use)))
     except Exception as e:  # noqa: BLE001 - a system that does not run here is reported
         msg = str(e).splitlines()[0][:200] if str(e) else ""
         conn.send(("error", f"{type(e).__name__}: {msg}"))
@@ -324,14 +268,15 @@ class _System:
             self.proc.kill()
 
 
-def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> dict:
+def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=(), systems=HF_SYSTEMS) -> dict:
     """Every system (and the matmul timer) in its own worker process, built and warmed up one
     after the other, then timed round by round, one system at a time, the order alternating.
 
     Separate processes because two runtimes in one process slow each other down: with HF and
     torch_ref in the same process, jaxmoe's compiled step ran 1138 tok/s on the coarse shape
     against 1499 alone, and on the earlier machine its fine figure fell from 371 to 272 over
-    the rounds (docs/MEASUREMENTS.md). A user runs one framework per process; so does this.
+    the rounds (docs/history/MEASUREMENTS-2026-12.md,
+    "Train step, second pass"). A user runs one framework per process; so does this.
     """
     import multiprocessing as mp
 
@@ -342,7 +287,7 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
     workers, notes = {}, {}
     try:
         workers["peak"] = _System(ctx, shape, "peak", sets)
-        for name in MAKERS:
+        for name in systems:
             if name in skip:
                 notes[name] = {"skipped": "--skip"}
                 continue
@@ -399,7 +344,45 @@ def bench_shape(shape: str, rounds: int, steps: int, log, skip=(), sets=()) -> d
         res["ratio_to_hf_eager"], res["ratio_to_hf_eager_range"] = (
             per_round("hf_eager") if "hf_eager" in peers else (None, None))
         res["ratio_to_peer"] = {n: per_round(n)[0] for n in peers}
+        res["ratio_to_peer_range"] = {n: per_round(n)[1] for n in peers}
     return res
+
+
+TITAN_HANDICAPS = (
+    "same tokens on both sides (one fixed batch), fp32 parameters, activations and optimizer state on both; "
+    "torch threads = {cores} (torch.set_num_threads), jax: XLA:CPU's own pool over {cores} cores; "
+    "both processes get jaxmoe's host allocator setting (jaxmoe/train/host_alloc.py); "
+    "torchtitan: its model, CrossEntropyLoss, OptimizersContainer (AdamW, implementation=fused), "
+    "clip_grad_norm_(foreach), LR schedule and expert-bias hook, attention = its ScaledDotProductAttention "
+    "(FlexAttention has no CPU backward), experts in fp32 (its stock GroupedExperts casts to bf16), "
+    "torch._grouped_mm's CPU fallback; jaxmoe: the config --from-titan writes, every auto resolved for CPU")
+
+
+def bench_titan(spec: str, rounds: int, steps: int, log, skip=(), sets=()) -> dict:
+    """jaxmoe against torchtitan on torchtitan's flavor ``spec`` (:func:`make_titan`), one worker
+    process per system, the order alternating between rounds (:func:`bench_shape`)."""
+    from jaxmoe.config.titan import import_titan
+
+    import_titan()  # one line if the [titan] extra is missing
+    res = bench_shape("titan:" + spec, rounds, steps, log, skip, sets, TITAN_SYSTEMS)
+    cfg = jax_config("titan:" + spec, sets)
+    from jaxmoe.config.autoconf import auto_choices
+
+    res["jaxmoe_resolved"] = auto_choices(cfg, "cpu")
+    res["shape"] = f"{cfg.train.batch_size}x{cfg.train.seq_len}"
+    res["handicaps"] = TITAN_HANDICAPS.format(cores=os.cpu_count())
+    return res
+
+
+def titan_ratio_line(spec: str, r: dict, peer: str = "torchtitan") -> str:
+    """The bench's last line per flavor (the issue's contract)."""
+    if peer not in r.get("ratio_to_peer", {}):
+        missing = [n for n in ("jaxmoe", peer) if n not in r.get("tokens_per_s", {})]
+        return (f"jaxmoe / {peer} train step ({spec}, {r.get('shape')}, fp32, CPU): n/a "
+                f"({' and '.join(missing) or 'no ratio'} did not run)")
+    lo, hi = r["ratio_to_peer_range"][peer]
+    return (f"jaxmoe / {peer} train step ({spec}, {r['shape']}, fp32, CPU): "
+            f"{r['ratio_to_peer'][peer]:.2f} [{lo:.2f}-{hi:.2f}]")
 
 
 def main(argv=None) -> int:
@@ -411,7 +394,16 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a jaxmoe config override for A/B runs (e.g. compute.ce_chunk_tokens=1024)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--peer", choices=("hf", "torchtitan"), default="hf",
+                   help="hf: the two bench shapes against HF transformers and torch_ref (default); "
+                        "torchtitan: --titan flavors against torchtitan's own model and train step")
+    p.add_argument("--titan", action="append", default=[], metavar="FAMILY/FLAVOR",
+                   help="with --peer torchtitan (repeatable): e.g. deepseek_v3/debugmodel, qwen3/debugmodel_moe")
     args = p.parse_args(argv)
+    if args.peer == "torchtitan":
+        return main_titan(args)
+    if args.titan:
+        p.error("--titan needs --peer torchtitan")
     def log(m):
         print(m, file=sys.stderr, flush=True)
     shapes = ["coarse", "fine"] if args.shape == "all" else [args.shape]
@@ -446,6 +438,46 @@ def main(argv=None) -> int:
                 lo, hi = r["train_over_step_range"]
                 print(f"  jaxmoe train (defaults, end to end) / tuned step = {r['train_over_step']:.2f} "
                       f"[{lo:.2f}-{hi:.2f}]")
+    return 0
+
+
+def main_titan(args) -> int:
+    from jaxmoe.config.titan import parse_name
+    from jaxmoe.errors import UserError
+
+    def log(m):
+        print(m, file=sys.stderr, flush=True)
+
+    if not args.titan:
+        print("train_step.py: --peer torchtitan needs --titan FAMILY/FLAVOR (e.g. deepseek_v3/debugmodel)",
+              file=sys.stderr)
+        return 2
+    skip = tuple(x for x in args.skip.split(",") if x)
+    t0 = time.perf_counter()
+    out = {}
+    try:
+        for spec in args.titan:
+            parse_name(spec)
+            out[spec] = bench_titan(spec, args.rounds, args.steps, log, skip, args.set)
+    except UserError as e:
+        print(f"train_step.py: {e}", file=sys.stderr)
+        return 2
+    log(f"bench wall time {time.perf_counter() - t0:.0f}s")
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for spec, r in out.items():
+        print(f"{spec} ({r['shape']}): matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s, "
+              f"{r['flops_per_token'] / 1e6:.1f} MFLOP/token; jaxmoe resolved {r['jaxmoe_resolved']}")
+        for n, v in r["tokens_per_s"].items():
+            lo, hi = r["tokens_per_s_range"][n]
+            print(f"  {n:18s} {v:8.0f} tok/s [{lo:.0f}-{hi:.0f}]  MFU {r['mfu'][n]:.3f}")
+        for n, e in r["notes"].items():
+            if isinstance(e, dict) and "error" in e:
+                print(f"  {n:18s} did not run: {e['error']}")
+        print(f"  ({r['handicaps']})")
+    for spec, r in out.items():
+        print(titan_ratio_line(spec, r))
     return 0
 
 

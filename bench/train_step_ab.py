@@ -2,6 +2,9 @@
 
     python bench/train_step_ab.py SHAPE VARIANT [VARIANT ...]     (ROUNDS=4 STEPS=3 by default)
 
+SHAPE: ``coarse``, ``fine`` or ``titan:FAMILY/FLAVOR`` (torchtitan's flavor at the torchtitan
+peer's batch, ``bench/train_step.py --peer torchtitan``).
+
 A VARIANT is a comma-separated list of ``set:SECTION.KEY=VALUE`` (a config override),
 ``py:MODULE.ATTR=INT`` (a module constant read at trace time, e.g.
 ``py:jaxmoe.model.blocked.RUN_ROWS=256``; restored after that variant is compiled) or
@@ -22,13 +25,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import B, S, jax_config, make_jaxmoe
+from train_step import jax_config, make_jaxmoe
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 2 or argv[0] not in ("coarse", "fine"):
-        print("usage: python bench/train_step_ab.py coarse|fine VARIANT [VARIANT ...]", file=sys.stderr)
+    if len(argv) < 2 or not (argv[0] in ("coarse", "fine") or argv[0].startswith("titan:")):
+        print("usage: python bench/train_step_ab.py coarse|fine|titan:FAMILY/FLAVOR VARIANT [VARIANT ...]",
+              file=sys.stderr)
         return 2
     shape, variants = argv[0], argv[1:]
     from jaxmoe.train.host_alloc import keep_freed_memory
@@ -52,7 +56,9 @@ def main(argv=None) -> int:
                 undo.append((lambda _o, key, old: os.environ.__setitem__(key, old) if old is not None
                              else os.environ.pop(key, None), None, k, os.environ.get(k)))
                 os.environ[k] = val
-        run, sync = make_jaxmoe(jax_config(shape, sets))
+        cfg = jax_config(shape, sets)
+        tokens = cfg.train.batch_size * cfg.train.seq_len
+        run, sync = make_jaxmoe(cfg)
         t = time.perf_counter()
         sync(run())  # compile (the constants and variables above are read while tracing)
         first = time.perf_counter() - t
@@ -68,7 +74,7 @@ def main(argv=None) -> int:
             for _ in range(steps):
                 out = run()
             sync(out)
-            res[n].append(steps * B * S / (time.perf_counter() - t))
+            res[n].append(steps * tokens / (time.perf_counter() - t))
     base = systems[0][0]
     for n, v in res.items():
         rat = [a / b for a, b in zip(v, res[base])]

@@ -29,6 +29,8 @@ COMMANDS = {
     "tokenizer": ("jaxmoe.data.tokenize", "train a byte-level BPE tokenizer.json on text files"),
     "convert": ("jaxmoe.port.commands.cli", "convert checkpoints between hf:, orbax:, torch: and dcp: (torchtitan)"),
     "logits": ("jaxmoe.port.commands.cli", "write the fp32 logits a checkpoint computes on tokens"),
+    "generate": ("jaxmoe.port.commands.generate", "new tokens from a checkpoint, with a KV cache (greedy or sampled)"),
+    "eval": ("jaxmoe.train.eval_cli", "cross-entropy, perplexity and expert load of a checkpoint on a data spec"),
     "parity": ("parity.cli", "run the parity suites: jaxmoe vs torch_ref, transformers or torchtitan"),
 }
 
@@ -46,7 +48,10 @@ def _count_run(args) -> int:
         print(json.dumps(c, indent=2))
         return 0
     print(f"{c['name']}: total {human(c['total_params'])} ({c['total_params']:,}), "
-          f"active per token {human(c['active_params'])} ({c['active_params']:,})")
+          f"active per token {human(c['active_params'])} ({c['active_params']:,})"
+          + (f", + multi-token prediction {human(c['mtp_params'])} ({c['mtp_params']:,}; "
+             f"{human(c['mtp_params_hf_stored'])} with the embedding and head copies an HF checkpoint stores)"
+             if c["mtp_params"] else ""))
     for k, v in c["breakdown"].items():
         print(f"  {k:38s} {v:>20,}")
     print("  dims: " + ", ".join(f"{k}={v}" for k, v in c["dims"].items() if v is not None))

@@ -9,6 +9,8 @@ orbax-checkpoint, numpy, safetensors. Everything else is an extra of ``pyproject
 * ``[data]`` pyarrow + array_record: ``--data parquet:|hfds:|arrayrecord:``;
 * ``[plot]`` matplotlib: ``jaxmoe plot``;
 * ``[tb]``   tensorboardX: TensorBoard files (skipped with a note when absent);
+* ``[wandb]`` wandb: ``train.wandb = true``;
+* ``[lmeval]`` lm-eval: ``jaxmoe.train.lm_eval_model`` (jaxmoe as an lm-eval model);
 * ``[titan]`` torchtitan (+ what it needs to import on CPU): ``jaxmoe config --from-titan``,
   ``python -m parity run --reference torchtitan``.
 """
@@ -30,6 +32,8 @@ EXTRA_OF = {
     "array_record": "data",
     "matplotlib": "plot",
     "tensorboardX": "tb",
+    "wandb": "wandb",
+    "lm_eval": "lmeval",
     "torchtitan": "titan",
 }
 

@@ -50,6 +50,7 @@ from parity.checks import (
     first_divergence,
     selection_gap,
 )
+from parity.forcing import force_after_near_tie, strict_fraction
 from parity.report import assemble
 from parity.sides import JaxSide, TorchSide, init_weights, make_batches, setup_numerics, to_hf, to_numpy
 from parity.tolerances import DEFAULT_INIT_SCALE, SIZE_PROFILES, tolerances_for
@@ -222,8 +223,14 @@ def _compare_training(cfg, js, ts, batches, cache, patch, bias, params0, tol, ch
     t = time.perf_counter()
     tt = ts.train(batches)
     timings["torch_steps"] = time.perf_counter() - t
-    compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=params0)
-    return {"jax": jt["losses"], "torch": tt["losses"]}
+
+    def rerun(forced):
+        with jpatch():
+            return js.train(batches, forced=forced)
+
+    jt, info = force_after_near_tie(cfg, jt, tt, tol, rerun)
+    compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=params0, forced=info)
+    return {"jax": jt["losses"], "torch": tt["losses"], "forced": info}
 
 
 def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, with_grads: bool = True,
@@ -260,7 +267,7 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
         cache["weights"] = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)
     params, buffers = cache["weights"]
     if "hf" not in cache:
-        cache["hf"] = to_hf(cfg, params, buffers)
+        cache["hf"] = to_hf(cfg, params, buffers, any_bias=True)
     hf = cache["hf"]
     bias = to_numpy(buffers["moe"]["expert_bias"]) if buffers.get("moe", {}).get("expert_bias") is not None else None
     batches = make_batches(cfg, max(1, n_steps), opts.seed, packed=opts.packed)
@@ -312,10 +319,12 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
                                    timings)
 
     items = checks.items
+    forced_info = curves.pop("forced") if curves else None
     return assemble(
         opts.label, items, first_divergence=first_divergence(items), routing=routing, comparison_routing=mode,
-        curves=curves, layer_errors=layer_errors, grad_worst=grad_worst, tol=tol, opts=opts, n_steps=n_steps,
-        cfg=cfg, timings=timings, t0=t0,
+        forced_from_step=forced_info and forced_info["forced_from_step"], forced_routing=forced_info,
+        strict_fraction=strict_fraction(items), curves=curves, layer_errors=layer_errors, grad_worst=grad_worst,
+        tol=tol, opts=opts, n_steps=n_steps, cfg=cfg, timings=timings, t0=t0,
         mesh=None if ctx is None else {"sizes": ctx.sizes, "dispatcher": ctx.dispatcher},
         fault=None if fault is None else fault.name)
 

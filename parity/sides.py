@@ -22,6 +22,7 @@ Faults for the self-test (:mod:`parity.faults`) hook into the torch side only, t
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -105,18 +106,20 @@ def decisiveness(cfg: Config, logits: np.ndarray, scores: np.ndarray | None, bia
     return out
 
 
-def to_hf(cfg: Config, params, buffers=None, *, with_buffers: bool = True) -> dict[str, np.ndarray]:
+def to_hf(cfg: Config, params, buffers=None, *, with_buffers: bool = True,
+          any_bias: bool = False) -> dict[str, np.ndarray]:
     """jaxmoe params/buffers (nested dicts) -> {HF name: fp32 numpy array [out, in]}.
 
     Uses the one mapping table (``jaxmoe.port.maps.hf_map.entries``); HF-only tensors that jaxmoe
     does not hold (a DeepSeek-V3 bias without ``use_expert_bias``) are zeros. With
-    ``with_buffers=False`` buffer rows are skipped (used to name gradients)."""
+    ``with_buffers=False`` buffer rows are skipped (used to name gradients). ``any_bias`` (torch_ref
+    only): an expert bias the HF architecture cannot store goes by torch_ref's buffer name."""
     flat = {"params/" + k: v for k, v in flatten(params).items()}
     if buffers:
         flat.update({"buffers/" + k: v for k, v in flatten(buffers).items()})
     cache: dict[str, np.ndarray] = {}
     out = {}
-    for ent in entries(cfg):
+    for ent in entries(cfg, any_bias=any_bias):
         if ent.key == ZERO or ent.key.startswith("buffers/"):
             if with_buffers:
                 src = np.zeros(ent.hf_shape, np.float32) if ent.key == ZERO else None
@@ -235,7 +238,7 @@ class JaxSide:
         self.cfg, self.ctx = cfg, mesh_ctx
         # names gradients and parameters: to_hf (HF names) unless a reference names them its way
         # (parity.titan_runner: jaxmoe.port.maps.titan_map.to_titan, torchtitan's native names)
-        self.namer = to_hf if namer is None else namer
+        self.namer = functools.partial(to_hf, any_bias=True) if namer is None else namer
         self.model = Model(cfg) if mesh_ctx is None else mesh_ctx.model()
         self.params0, self.buffers0 = params, buffers
         if mesh_ctx is not None:
@@ -282,9 +285,12 @@ class JaxSide:
             grads, _, _ = jax.jit(make_grad_fn(self.model))(self.params, self.buffers, jb)
         return self.namer(cfg, _tree_np(grads), with_buffers=False)
 
-    def train(self, batches: list[dict]) -> dict:
-        """N steps of ``make_train_step``; -> {"losses": [...], "params": HF dict, "bias": [Lm, E]}."""
+    def train(self, batches: list[dict], forced: list | None = None) -> dict:
+        """N steps of ``make_train_step``; -> {"losses": [...], "params": HF dict, "bias": [Lm, E]}.
+        ``forced[i]`` (``idx [Lm, B*S, k]`` or None): step ``i`` replays that routing
+        (:func:`parity.forcing.force_after_near_tie`)."""
         from jaxmoe.model.transformer import declared_groups  # late: jax (see the note on imports)
+        from jaxmoe.train.objective import with_forced_routing
         from jaxmoe.train.optim import build_optimizer
         from jaxmoe.train.step import init_state, make_train_step
 
@@ -302,9 +308,10 @@ class JaxSide:
             _, aux = self._fwd(state["params"], state["buffers"], jb["inputs"], None, packing_kwargs(jb))
             bias = state["buffers"].get("moe", {}).get("expert_bias") if state["buffers"] else None
             r = aux["router"]
-            rec = routing_record(cfg.moe, to_numpy(r["topk_idx"]), to_numpy(r["scores"]),
+            fi = None if forced is None else forced[i]
+            rec = routing_record(cfg.moe, to_numpy(r["topk_idx"]) if fi is None else fi, to_numpy(r["scores"]),
                                  None if bias is None else to_numpy(bias))
-            state, m = step(state, jb)
+            state, m = step(state, jb if fi is None else with_forced_routing(jb, fi))
             losses.append(float(m["loss"]))
             counts.append(np.rint(to_numpy(m["counts"])).astype(np.int64))
             seen = np.stack([np.bincount(x.ravel(), minlength=cfg.moe.n_experts) for x in rec["idx"]])

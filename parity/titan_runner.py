@@ -42,9 +42,10 @@ Two precision profiles (``--dtype``):
   routing, the loss and the logits (scaled) gated at bf16 resolution, gradients and N-step
   figures reported, as the bf16 rows of the torch_ref matrix are.
 
-A flavor whose torchtitan expert bias
-jaxmoe does not map (softmax scores, e.g. qwen3) trains with torchtitan's bias hook off (noted in
-the report): jaxmoe's bias is sigmoid-only.
+torchtitan's expert bias (its default ``load_balance_coeff``, on softmax scores as on sigmoid ones)
+is mapped and trained on both sides: the N-step run calls torchtitan's bias hook after every step
+and compares the biases. Only a run that turns jaxmoe's bias off (``--set
+moe.use_expert_bias=false``) trains torchtitan's with the hook off, noted in the report.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from parity.checks import (
     compare_steps,
     first_divergence,
 )
+from parity.forcing import force_after_near_tie, strict_fraction
 from parity.report import assemble
 from parity.sides import JaxSide, decisiveness, init_weights, make_batches, setup_numerics, to_numpy
 from parity.tolerances import SIZE_PROFILES, tolerances_for
@@ -169,6 +171,7 @@ def run_titan_suite(opts, n_steps: int) -> dict:
     if stock:
         notes.append("bf16 profile: torchtitan's stock experts (bf16 grouped_mm, the rest fp32) against jaxmoe's "
                      "bf16 compute; gated at bf16 resolution, gradients and steps reported as figures")
+    forced_info = None
     if n_steps > 0:
         titan_bias = any(b.expert_bias_E is not None for b in ts.moe_blocks())
         hook = titan_bias and cfg.moe.use_expert_bias
@@ -180,9 +183,14 @@ def run_titan_suite(opts, n_steps: int) -> dict:
         t = time.perf_counter()
         tt = ts.train(batches[:n_steps], cfg, bias_hook=hook, moe=cfg.moe)
         timings["torch_steps"] = time.perf_counter() - t
+        def rerun(forced):
+            jt.clear()  # replaced by the replay: its snapshots go first (qwen3: 1.3 GB per copy)
+            return js.train(batches[:n_steps], forced=forced)
+
+        jt, forced_info = force_after_near_tie(cfg, jt, tt, tol, rerun)
         curves = {"jax": jt["losses"], "torch": tt["losses"]}
         params0 = to_titan(cfg, params, None, with_buffers=False)
-        compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=params0)
+        compare_steps(cfg, jt, tt, bias, n_steps, tol, checks, params0=params0, forced=forced_info)
 
     items = checks.items
     return assemble(
@@ -191,6 +199,8 @@ def run_titan_suite(opts, n_steps: int) -> dict:
         comparison_routing="natural (torchtitan's router is not replayed)", curves=curves,
         layer_errors=layer_errors, grad_worst=grad_worst, tol=tol, opts=opts, n_steps=n_steps, cfg=cfg,
         timings=timings, t0=t0, reference="torchtitan", titan=opts.titan,
+        forced_from_step=forced_info and forced_info["forced_from_step"], forced_routing=forced_info,
+        strict_fraction=strict_fraction(items),
         titan_overrides=list(opts.titan_overrides), notes=notes,
         decisiveness=decisiveness(cfg, tf["logits"], tf["aux"]["router"]["scores"], bias),
         init_scale=opts.init_scale)

@@ -38,7 +38,8 @@ def test_dot_product_kernel_equals_explicit(h, kv, d, dv):
     out_d = attend(q, k, v, scale, "dot_product")
     assert out_d.shape == (b, s, h, dv)
     assert _rel(out_d, out_x) <= 1e-6
-    assert _rel(ld, lx) <= 1e-6
+    # the loss is a signed sum (cancellation): its error is measured against the sum of |terms|
+    assert abs(float(ld - lx)) <= 1e-6 * float(jnp.sum(jnp.abs(out_x * w)))
     for a, c in zip(gd, gx):
         assert _rel(a, c) <= 1e-6
     # causal: the first position attends only to itself

@@ -29,8 +29,9 @@ def test_resolution_table_per_backend(backend, path, attn, unroll, monkeypatch):
     cfg = _cfg(*BENCH)
     assert (cfg.moe.compute_path, cfg.compute.attention_kernel, cfg.compute.scan_unroll,
             cfg.compute.ce_chunk_tokens) == ("auto", "auto", "auto", "auto")
-    want = {"moe.compute_path": path, "compute.attention_kernel": attn, "compute.scan_unroll": unroll,
-            "compute.ce_chunk_tokens": 1024}
+    monkeypatch.setattr(autoconf, "tokamax_importable", lambda: False)  # the core install
+    want = {"moe.compute_path": path, "moe.ragged_kernel": "xla", "compute.attention_kernel": attn,
+            "compute.scan_unroll": unroll, "compute.ce_chunk_tokens": 1024}
     assert auto_choices(cfg, backend) == want
     got = resolve_auto(cfg, backend)
     assert (got.moe.compute_path, got.compute.attention_kernel, got.compute.scan_unroll,
@@ -56,8 +57,9 @@ def test_resolution_by_shape(sets, unroll, chunk):
     assert (got["compute.scan_unroll"], got["compute.ce_chunk_tokens"]) == (unroll, chunk)
 
 
-def test_explicit_values_untouched():
-    cfg = _cfg("moe.compute_path=dense", "compute.attention_kernel=dot_product", "compute.scan_unroll=2",
+def test_explicit_values_untouched(monkeypatch):
+    cfg = _cfg("moe.compute_path=dense", "moe.ragged_kernel=xla", "compute.attention_kernel=dot_product",
+               "compute.scan_unroll=2",
                "compute.ce_chunk_tokens=512")
     for backend in ("cpu", "cuda", "tpu"):
         assert auto_choices(cfg, backend) == {}
@@ -69,6 +71,16 @@ def test_explicit_values_untouched():
     m = _cfg("moe.compute_path=auto", "moe.ragged_kernel=mosaic_gpu", "compute.dtype=bfloat16",
              "model.d_model=64", "moe.expert_ffn_dim=64")
     assert auto_choices(m, "cuda")["moe.compute_path"] == "ragged"
+    # moe.ragged_kernel=auto: tokamax on GPU when it is installed, else xla; compute_path stays blocked
+    t = _cfg("moe.compute_path=auto")
+    for found, want in ((True, "tokamax"), (False, "xla")):
+        monkeypatch.setattr(autoconf, "tokamax_importable", lambda found=found: found)
+        got = auto_choices(t, "cuda")
+        assert got["moe.ragged_kernel"] == want and got["moe.compute_path"] == "blocked", got
+        assert auto_choices(t, "cpu")["moe.ragged_kernel"] == "xla"
+        assert auto_choices(t, "tpu")["moe.ragged_kernel"] == "xla"
+    tk = _cfg("moe.compute_path=auto", "moe.ragged_kernel=tokamax")
+    assert auto_choices(tk, "cuda")["moe.compute_path"] == "ragged"
 
 
 def test_auto_parsing_and_errors():
@@ -103,8 +115,9 @@ def test_model_resolves_and_run_dir_records(tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--steps", "1", "--stop-after", "0",
                  "--set", "moe.compute_path=auto", "--out", str(out)]) == 0
     rec = json.loads((out / "run.json").read_text())
-    assert rec["resolved"] == {"backend": "cpu", "moe.compute_path": "blocked", "compute.attention_kernel": "explicit",
-                               "compute.scan_unroll": 0, "compute.ce_chunk_tokens": 0}
+    assert rec["resolved"] == {"backend": "cpu", "moe.compute_path": "blocked", "moe.ragged_kernel": "xla",
+                               "compute.attention_kernel": "explicit", "compute.scan_unroll": 0,
+                               "compute.ce_chunk_tokens": 0}
     saved = tomllib.loads((out / "config.toml").read_text())  # the asked config: auto stays auto
     assert saved["moe"]["compute_path"] == "auto" and saved["compute"]["scan_unroll"] == "auto"
     assert "auto (cpu): moe.compute_path=blocked" in capsys.readouterr().err

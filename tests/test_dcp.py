@@ -111,7 +111,9 @@ def test_model_only_checkpoint_reads_bit_exact_and_converts_to_orbax(one_rank, t
     assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp"]
     with _open(f"dcp:{step}") as src:
         _assert_leaves(src, one_rank)
-        assert any("all-zero moe.expert_bias_E" in n for n in src.notices), src.notices
+        # torchtitan's default expert bias on the flavor's softmax router is read in (zero at init)
+        assert src.cfg.moe.use_expert_bias and src.cfg.moe.score_func == "softmax"
+        assert not any("expert_bias_E" in n for n in src.notices), src.notices
         assert not any("training state" in n for n in src.notices)
         rows = src.read_rows("params/moe/experts/gate_proj", 2)
         assert np.array_equal(rows, src.read_leaf("params/moe/experts/gate_proj")[:2])
@@ -217,6 +219,48 @@ def _titan_load(step: Path, folder: Path, flavor: str = FLAVOR) -> dict:
                              lr_schedulers=None, states={}, sd_adapter=None)
     assert ckpt.load()
     return {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    return _save(tmp_path_factory.mktemp("dcpt") / "ckpt", 1, "trained")
+
+
+@needs_titan
+def test_a_checkpoint_torchtitan_trained_with_its_bias_hook_runs_in_jaxmoe(trained, tmp_path, capsys):
+    """torchtitan trains deepseek_v3/debugmodel (softmax router, its default expert bias) for 10
+    steps with its own AdamW, schedule and load-balancing hook: the biases are non-zero, and
+    ``jaxmoe logits`` on the model-only DCP gives torchtitan's logits; converting it to a jaxmoe run
+    and back to dcp: keeps every tensor, the biases included, bit for bit."""
+    import torch
+
+    from jaxmoe.config.titan import titan_model_config
+    from jaxmoe.port.commands.titan_model import build_titan_model
+
+    ref = np.load(trained / "reference.npz")
+    biases = [k for k in ref.files if k.endswith("moe.expert_bias_E")]
+    assert biases and all(np.abs(ref[k]).max() > 0 for k in biases)
+    tokens = np.random.default_rng(0).integers(0, 2048, size=(2, 16)).astype(np.int64)
+    np.save(tmp_path / "tok.npy", tokens)
+    step = trained / "step-10"
+    assert main(["logits", "--ckpt", f"dcp:{step}", "--titan", FLAVOR, "--tokens", str(tmp_path / "tok.npy"),
+                 "--out", str(tmp_path / "jax.npy")]) == 0
+    model = build_titan_model(titan_model_config(FLAVOR), fp32_experts=True)
+    model.load_state_dict({k: torch.from_numpy(ref[k]) for k in ref.files}, strict=False)
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).numpy()
+    got = np.load(tmp_path / "jax.npy")
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    # and without the biases the logits differ by well over the tolerance above: the test sees them
+    model.load_state_dict({k: torch.zeros_like(torch.from_numpy(ref[k])) for k in biases}, strict=False)
+    with torch.no_grad():
+        assert np.abs(model(torch.from_numpy(tokens)).numpy() - want).max() > 5e-4 * np.abs(want).max()
+    assert main(["convert", "--from", f"dcp:{step}", "--titan", FLAVOR, "--to", f"orbax:{tmp_path}/run"]) == 0
+    assert main(["convert", "--from", f"orbax:{tmp_path}/run", "--to", f"dcp:{tmp_path}/back"]) == 0, \
+        capsys.readouterr().err
+    back = _titan_load(tmp_path / "back", tmp_path / "folder")
+    for k in ref.files:
+        assert np.array_equal(back[k], ref[k]), k
 
 
 @needs_titan

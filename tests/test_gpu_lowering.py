@@ -96,3 +96,64 @@ def test_ragged_xla_compiled_holds_the_dense_operand():
     # both widths: the gate/up input [G, R, D] and the down input [G, R, F], in bf16
     assert {t.split("[")[0] + str(k) for t in found for k in (D, F) if t.endswith(f",{k}]")} >= {f"bf16{D}", f"bf16{F}"}
     assert jax.default_backend() == "cpu"
+
+
+# -- MLA attention (d_qk != d_v) by cuDNN, lowered for CUDA ----------------------------------
+# cuDNN's version and the GPU are what jax's fused attention checks (jax._src.cudnn); on this CPU
+# host they are pretended: an H100 (compute capability 9.0) with cuDNN 9.10, or with 9.8.
+B_A, S_A, H_A, DQK, DV = 2, 128, 4, 192, 128
+
+
+@pytest.fixture
+def pretend_cudnn(monkeypatch):
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from jaxmoe.config import autoconf
+    from jaxmoe.model import attention
+
+    monkeypatch.setattr(attention, "_use_cudnn", lambda q, v: True)  # a GPU backend, bf16
+    monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)  # Hopper
+    monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
+    monkeypatch.setattr(autoconf, "_said", set())
+    return fa
+
+
+def _fmha_operand_types(text: str) -> list[list[str]]:
+    """The operand types of each ``__cudnn$fmha*`` custom call in StableHLO text."""
+    out = []
+    for line in text.splitlines():
+        if "custom_call @__cudnn$fmha" in line:
+            types = re.search(r":\s*\((.*)\)\s*->", line).group(1)
+            out.append(re.findall(r"tensor<[^>]*>", types))
+    return out
+
+
+@pytest.mark.parametrize("cudnn, unpadded", [(91000, True), (90800, False)])
+def test_mla_attention_lowered_for_cuda(pretend_cudnn, monkeypatch, capsys, cudnn, unpadded):
+    """MLA's attention (d_qk 192, d_v 128), forward and backward, lowered for CUDA: with cuDNN
+    9.10 the fused attention takes v as it is (a v head dim of 128, no pad); with 9.8 it falls
+    back to padding v to 192. One line says which."""
+    import jax.numpy as jnp
+
+    from jaxmoe.model.attention import attend
+
+    monkeypatch.setattr(pretend_cudnn, "check_cudnn_version", lambda: cudnn)
+    q = jax.ShapeDtypeStruct((B_A, S_A, H_A, DQK), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B_A, S_A, H_A, DV), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v, 0.07, "dot_product").astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, v).lower(lowering_platforms=("cuda",)).as_text()
+    calls = _fmha_operand_types(text)
+    assert len(calls) >= 2, calls  # forward and backward
+    v_unpadded, v_padded = f"tensor<{B_A}x{S_A}x{H_A}x{DV}xbf16>", f"tensor<{B_A}x{S_A}x{H_A}x{DQK}xbf16>"
+    err = capsys.readouterr().err
+    if unpadded:
+        assert all(c[2] == v_unpadded for c in calls), calls
+        assert "stablehlo.pad" not in text
+        assert "attention: MLA (d_qk=192, d_v=128) by cuDNN fused attention, unpadded" in err
+    else:
+        assert all(c[2] == v_padded for c in calls), calls
+        assert "stablehlo.pad" in text
+        assert "padded to 192" in err and "cuDNN >= 9.10" in err

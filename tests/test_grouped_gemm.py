@@ -11,6 +11,7 @@ No GPU here, so the Mosaic GPU kernels themselves are not run. What is checked o
 """
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +154,8 @@ def _cfg(**sets):
     ({"moe.compute_path": "blocked"}, "applies to moe.compute_path='ragged' only"),
     ({"compute.dtype": "float32"}, "needs compute.dtype=bfloat16"),
     ({"moe.expert_ffn_dim": 96}, "moe.expert_ffn_dim=96"),
-    ({"moe.ragged_kernel": "cutlass"}, "moe.ragged_kernel='cutlass' is not one of: xla, mosaic_gpu"),
+    ({"moe.ragged_kernel": "cutlass"}, "moe.ragged_kernel='cutlass' is not one of: auto, xla, mosaic_gpu, tokamax"),
+    ({"moe.ragged_kernel": "tokamax", "moe.compute_path": "blocked"}, "'tokamax' applies to moe.compute_path='ragged'"),
 ])
 def test_config_errors(sets, needle):
     with pytest.raises(ConfigError) as ex:
@@ -195,3 +197,22 @@ def test_a_jax_without_the_kernels_is_a_clear_error(monkeypatch):
         gg._mosaic_modules.cache_clear()
     msg = str(ex.value)
     assert "moe.ragged_kernel=xla" in msg and "ragged_dot_mgpu" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokamax") is not None, reason="tokamax is installed here")
+def test_tokamax_without_the_gpu_extra_is_one_line():
+    """moe.ragged_kernel=tokamax on an install without the [gpu] extra (this Python 3.11 core env):
+    one line naming the extra, also through the model's expert path; auto stays xla."""
+    cfg = _cfg(**{"moe.ragged_kernel": "tokamax", "compute.dtype": "float32"})  # a valid config
+    assert cfg.moe.ragged_kernel == "tokamax"
+    gg._tokamax.cache_clear()
+    x, w = jnp.zeros((8, 64)), jnp.zeros((2, 64, 128))
+    with pytest.raises(UserError) as ex:
+        gg.grouped_matmul(x, w, jnp.asarray([4, 4]), "tokamax")
+    msg = str(ex.value)
+    assert "pip install 'jaxmoe[gpu]'" in msg and "Python >= 3.12" in msg and "\n" not in msg, msg
+    moe = dataclasses.replace(cfg.moe, n_experts=2, top_k=1)
+    with pytest.raises(UserError, match=r"jaxmoe\[gpu\]"):
+        experts_mod.expert_ffn(x, jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)),
+                               {"gate_proj": w, "up_proj": w, "down_proj": jnp.zeros((2, 128, 64))}, moe)
+    assert gg.concrete_kernel("auto") == "xla" and gg.concrete_kernel("tokamax") == "tokamax"

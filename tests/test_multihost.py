@@ -8,6 +8,9 @@ and the XLA flag profile.
   written by both processes together restores onto another mesh and process count, and step 4's
   loss equals A's step 4 (all 4 steps are inside the 5-step warm-up, so the lr schedule does not
   depend on ``--steps``).
+* The emergency tier: one of two processes SIGKILLed, the restart from the newest complete local
+  step, on the same mesh and onto one process / one replica
+  (:func:`test_kill_one_process_restart_from_the_newest_complete_tier`).
 """
 
 import json
@@ -144,3 +147,75 @@ def test_sigterm_to_one_process_saves_the_same_step_on_all(tmp_path):
     assert saved and saved[-1] == last < 300
     _wait([_train(["--resume", "--mesh", "expert=4,fsdp=2", "--steps", str(last + 2), "--out", str(out)], 8)])
     assert sorted(_losses(out)) == list(range(1, last + 3))
+
+
+@pytest.mark.slow
+def test_kill_one_process_restart_from_the_newest_complete_tier(tmp_path):
+    """Emergency tier (train.local_checkpoint_every=1; no persistent save before the kill) on two
+    processes x 4 devices, mesh replica=2,fsdp=2,expert=2 (one replica per process). Process 1 is
+    SIGKILLed mid-run (then process 0, stuck in a collective). The local steps >= the last logged
+    one are torn, as a kill landing mid-save leaves them: each is skipped with one line, and the
+    restart restores step last-1, the newest complete:
+    * on both processes, same mesh: the re-run step equals the one logged before the kill, bit
+      for bit;
+    * on one process of 4 devices (replica=1) with process 1's local directory gone (the host that
+      died): process 0's directory alone holds the state; the steps after it equal the same-mesh
+      restart's (rtol 1e-5: another mesh sums in another order)."""
+    import shutil
+    import time
+
+    out = tmp_path / "run"
+    tier = ["--set", "train.local_checkpoint_every=1", "--set", "checkpoint.every=100", "--set",
+            "checkpoint.minutes=0", "--set", "train.async_loop=false"]
+    mesh = ["--mesh", "replica=2,fsdp=2,expert=2"]
+
+    def two(steps, extra=()):
+        port = free_port()
+        return [_train([*mesh, *tier, *extra, "--steps", str(steps), "--out", str(out), "--coordinator",
+                        f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], 4) for i in range(2)]
+
+    procs = two(40)
+    try:
+        deadline = time.time() + TIMEOUT
+        while not ((out / "metrics.jsonl").exists() and len(_losses(out)) >= 4):
+            assert time.time() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        procs[1].kill()
+        time.sleep(1.0)
+        procs[0].kill()
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    before = _losses(out)
+    last = max(before)
+    root = out / "local_checkpoints"
+    torn = set()
+    for d in root.iterdir():
+        for step in d.iterdir():
+            if step.name.isdigit() and int(step.name) >= last:
+                data = step / "shards.bin"
+                data.write_bytes(data.read_bytes()[:100])
+                torn.add(int(step.name))
+    assert not (out / "checkpoints").exists() or not any(p.name.isdigit() for p in (out / "checkpoints").iterdir())
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "local_checkpoints" / "process_1")
+
+    outs = _wait(two(last + 2, ["--resume"]))
+    assert f"resuming from local checkpoint {last - 1}" in outs[0], outs[0][-2000:]
+    for step in torn:  # one line each
+        assert sum(f"local checkpoint {step} skipped" in line and "torn" in line
+                   for line in outs[0].splitlines()) == 1, outs[0][-2000:]
+    after = _losses(out)
+    assert sorted(after) == list(range(1, last + 3))
+    assert after[last] == before[last]  # re-run after the restore: bit for bit
+
+    one = _wait([_train(["--resume", "--mesh", "replica=1,fsdp=2,expert=2", *tier, "--steps", str(last + 2),
+                         "--out", str(copy)], 4)])
+    assert f"resuming from local checkpoint {last - 1}" in one[0], one[0][-2000:]
+    small = _losses(copy)
+    np.testing.assert_allclose([small[s] for s in range(last, last + 3)], [after[s] for s in range(last, last + 3)],
+                               rtol=1e-5)

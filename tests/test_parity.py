@@ -30,6 +30,11 @@ def test_selection_gap_hand_computed():
     scores = np.array([[0.30, 0.25, 0.249, 0.2, 0.001, 0.0, 0.0, 0.0]], np.float32)
     # boundary: 2nd (0.25) vs 3rd (0.249)
     np.testing.assert_allclose(selection_gap(scores, None, e), [0.001], rtol=1e-5)
+    # softmax with an expert bias (torchtitan's recipe): the gap is on scores + bias,
+    # [0.30, 0.25, 0.299, ...] -> 2nd (0.299) vs 3rd (0.25)
+    eb = load_config("tiny", overrides=["moe.use_expert_bias=true"]).moe
+    sb = np.array([0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(selection_gap(scores, sb, eb), [0.049], rtol=1e-5)
 
     g = load_config("tiny-mla").moe  # sigmoid + bias, 4 groups of 2, keep 2, top-2
     s = np.array([[0.9, 0.1, 0.5, 0.45, 0.2, 0.2, 0.6, 0.05]])
@@ -140,6 +145,24 @@ def test_tiny_mla_fast_profile_passes_and_covers_every_parameter(tmp_path):
     assert "| check |" in (out / "report.md").read_text()
     assert (out / "loss_curves.png").exists() and (out / "layer_errors.png").exists()
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_softmax_expert_bias_parity_every_gradient_and_the_bias_per_step():
+    """torchtitan's default recipe on the torch_ref side: an expert bias on softmax scores
+    (randomised, so it changes selection), every gradient, and the bias after every step."""
+    from torch_ref.transformer import TorchTransformer
+
+    over = ["moe.use_expert_bias=true", "moe.bias_update_rate=0.01"]
+    rep = run_suite(RunOptions(preset="tiny", overrides=over, profile="fast", steps=3))
+    assert rep["passed"], [c for c in rep["checks"] if not c["passed"]][:5]
+    cfg = load_config("tiny", overrides=over)
+    assert cfg.moe.score_func == "softmax" and cfg.moe.use_expert_bias
+    names = {n for n, _ in TorchTransformer(cfg, seed=0).named_parameters()}
+    grads = {c["name"].split(":", 1)[1] for c in rep["checks"] if c["name"].startswith("grad:")}
+    assert grads == names
+    by = {c["name"]: c for c in rep["checks"]}
+    assert by["step3_expert_bias"]["moved_by"] > 0
+    assert {"expert_bias[1]", "expert_bias[2]"} <= set(by)  # the bias after every step
 
 
 def test_forced_routing_replays_the_other_side():
@@ -290,3 +313,87 @@ def test_training_flip_with_a_clear_gap_fails_where_it_happens():
     assert by["step_routing[1]"]["value"] == 1 and not by["step_routing[1]"]["passed"]
     assert first_divergence(checks.items)["name"] == "step_routing[1]"
     assert by["step3_param:w"]["tolerance"] is not None and not by["step3_param:w"]["passed"]
+
+
+def _tie_run(n_steps: int, tie_step: int, fault_step: int | None):
+    """``n_steps`` training steps of a 1-MoE-layer config: the torch side flips token 0 to another
+    expert at ``tie_step`` on a near-tie (gap 1e-7); the jax side's forced replay (``rerun``)
+    follows torch exactly, except that from ``fault_step`` on its losses are 1e-3 off (a bug that
+    starts late) and so are its final parameters."""
+    cfg = load_config("tiny", overrides=["model.n_layers=1", "model.first_k_dense=0", "train.seq_len=2"])
+    k, n_tok = cfg.moe.top_k, 4
+    same = np.tile(np.arange(k), (1, n_tok, 1))
+    flipped = same.copy()
+    flipped[0, 0, k - 1] = k
+    gap = np.full((1, n_tok), 0.2)
+    gap_tie = gap.copy()
+    gap_tie[0, 0] = 1e-7
+    counts = lambda idx: np.stack([np.bincount(x.ravel(), minlength=cfg.moe.n_experts) for x in idx])  # noqa: E731
+    p = {"w": np.ones(8, np.float32)}
+    losses = [2.0 - 0.01 * i for i in range(n_steps)]
+    t_idx = [same if i < tie_step else flipped for i in range(n_steps)]
+    t_gap = [gap_tie if i == tie_step else gap for i in range(n_steps)]
+    tt = {"losses": losses, "params": {"w": p["w"] * 1.01}, "bias": None, "params1": p, "bias1": None,
+          "counts": [counts(x) for x in t_idx], "routing": [{"idx": x, "gap": g} for x, g in zip(t_idx, t_gap)]}
+    # natural jax run: never flips, so it parts from torch at tie_step
+    jt = {"losses": [x * (1 + 1e-3 * (i >= tie_step)) for i, x in enumerate(losses)], "params": {"w": p["w"]},
+          "bias": None, "params1": p, "bias1": None, "counts": [counts(same)] * n_steps,
+          "routing": [{"idx": same, "gap": gap}] * n_steps}
+    calls = []
+
+    def rerun(forced):
+        calls.append(forced)
+        bad = fault_step is not None
+        off = [1 + 1e-3 * (bad and i >= fault_step) for i in range(n_steps)]
+        return {"losses": [x * o for x, o in zip(losses, off)], "params": {"w": tt["params"]["w"] * (1 + 1e-3 * bad)},
+                "bias": None, "params1": p, "bias1": None, "counts": [counts(x) for x in t_idx],
+                "routing": [{"idx": f if f is not None else same, "gap": gap} for f in forced]}
+
+    return cfg, jt, tt, rerun, calls
+
+
+def test_near_tie_forces_the_reference_routing_and_every_later_check_stays_strict():
+    from parity.checks import compare_steps
+    from parity.forcing import force_after_near_tie, strict_fraction
+
+    cfg, jt, tt, rerun, calls = _tie_run(20, 2, None)
+    jt2, info = force_after_near_tie(cfg, jt, tt, FLOAT32_ADAMW, rerun)
+    assert info["forced_from_step"] == 2 and info["tie_margin"] == pytest.approx(1e-7)
+    forced = calls[0]
+    assert all(f is None for f in forced[:2])
+    assert all(f is tt["routing"][i]["idx"] for i, f in enumerate(forced) if i >= 2)
+    checks = Checks()
+    compare_steps(cfg, jt2, tt, None, 20, FLOAT32_ADAMW, checks, params0={"w": np.zeros(8, np.float32)}, forced=info)
+    by = {c["name"]: c for c in checks.items}
+    assert all(c["passed"] for c in checks.items), [c for c in checks.items if not c["passed"]]
+    assert by["step_routing[2]"]["forced_from_step"] == 2 and by["step_routing[2]"]["tolerance"] == 0
+    assert strict_fraction(checks.items) == 1.0
+    assert all(by[f"step_loss[{i}]"]["tolerance"] is not None for i in range(20))
+
+
+def test_a_fault_after_a_forced_near_tie_fails_at_its_step():
+    """A bug that starts at step 15 of 20, after a near-tie forced at step 2: the suite fails, at
+    step_loss[15] (without forcing it would be a figure after the parting)."""
+    from parity.checks import compare_steps
+    from parity.forcing import force_after_near_tie
+
+    cfg, jt, tt, rerun, _ = _tie_run(20, 2, 15)
+    jt2, info = force_after_near_tie(cfg, jt, tt, FLOAT32_ADAMW, rerun)
+    checks = Checks()
+    compare_steps(cfg, jt2, tt, None, 20, FLOAT32_ADAMW, checks, params0={"w": np.zeros(8, np.float32)}, forced=info)
+    failed = [c["name"] for c in checks.items if not c["passed"]]
+    assert failed and failed[0] == "step_loss[15]" and "step20_param:w" in failed
+    assert first_divergence(checks.items)["name"] == "step_loss[15]"
+    # the same run unforced: the fault hides behind the parting (figures from step 2 on)
+    plain = Checks()
+    compare_steps(cfg, jt, tt, None, 20, FLOAT32_ADAMW, plain, params0={"w": np.zeros(8, np.float32)})
+    assert all(c["passed"] for c in plain.items)
+
+
+def test_a_real_flip_is_not_forced():
+    from parity.forcing import force_after_near_tie
+
+    cfg, jt, tt, rerun, calls = _tie_run(5, 1, None)
+    tt["routing"][1]["gap"] = np.full_like(tt["routing"][1]["gap"], 0.2)  # a clear gap: a real flip
+    jt2, info = force_after_near_tie(cfg, jt, tt, FLOAT32_ADAMW, rerun)
+    assert info is None and jt2 is jt and not calls

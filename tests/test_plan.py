@@ -7,6 +7,7 @@ docs/MEASUREMENTS.md ("Planner: europa-952b").
 """
 
 import json
+import math
 
 import pytest
 
@@ -153,6 +154,32 @@ def test_lower_and_optimizer_update_collectives(capsys):
     assert c["dense"]["ops"] > 0
     fsdp_experts = plan_config(load_config("tiny"), parse_mesh("fsdp=2,expert=4"), optimizer="muon")
     assert optimizer_update_collectives(fsdp_experts)["expert"]["ops"] > 0
+    _check_comm_bytes(out, plan_config(load_config("tiny", overrides=["mesh.expert_axes=fsdp,expert"]),
+                                       parse_mesh("fsdp=2,expert=4"), optimizer="muon"))
+
+
+def _check_comm_bytes(out, cfg):
+    """comm_bytes_per_step (tests/test_comm_volume.py has the hand counts): every key names mesh
+    axes of size > 1, each figure sums its collectives, and the fsdp axis moves at least the full
+    bytes of the dense (non-expert) weights sharded over it (each is gathered at least once forward)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmoe.model.transformer import abstract_params
+    from jaxmoe.plan.lower import state_specs
+
+    comm = out["comm_bytes_per_step"]
+    assert comm and all(set(k.split("+")) <= {"fsdp", "expert"} for k in comm), comm
+    assert comm == {a: sum(r["bytes"] for r in ops.values()) for a, ops in out["comm_collectives"].items()
+                    if a != "none"}
+    params = abstract_params(cfg)[0]
+    specs = state_specs(cfg, {"params": params, "buffers": {}, "opt_state": {}})["params"]
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    sharded = sum(math.prod(p.shape) * p.dtype.itemsize
+                  for (kp, p), s in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+                  if "fsdp" in jax.tree.leaves(tuple(s)) and "experts" not in jax.tree_util.keystr(kp))
+    over_fsdp = sum(v for k, v in comm.items() if "fsdp" in k.split("+"))
+    assert sharded > 0 and over_fsdp >= sharded, (comm, sharded)
 
 
 @slow

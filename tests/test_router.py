@@ -74,6 +74,31 @@ def test_sigmoid_bias_changes_selection_not_weights():
     np.testing.assert_array_equal(idx, [1, 0])
 
 
+def test_softmax_bias_changes_selection_not_weights():
+    """torchtitan's default recipe: an expert bias on softmax scores selects, the unbiased
+    probabilities weight."""
+    cfg = MoEConfig(n_experts=4, top_k=2, score_func="softmax", norm_topk_prob=True, use_expert_bias=True)
+    # p = [0.1, 0.2, 0.3, 0.4]; selection = p + bias = [0.1, 0.45, 0.3, 0.4] -> experts 1, 3;
+    # weights from p: [0.2, 0.4] / 0.6
+    idx, w, r = _route(SOFT_LOGITS, cfg, bias=[0.0, 0.25, 0.0, 0.0])
+    np.testing.assert_array_equal(idx, [1, 3])
+    np.testing.assert_allclose(w, [1 / 3, 2 / 3], rtol=1e-6)
+    np.testing.assert_allclose(r.scores[0], [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
+    # un-normalised with a route scale: 1.5 * [0.2, 0.4]
+    cfg_raw = MoEConfig(n_experts=4, top_k=2, score_func="softmax", norm_topk_prob=False, route_scale=1.5,
+                        use_expert_bias=True)
+    idx, w, _ = _route(SOFT_LOGITS, cfg_raw, bias=[0.0, 0.25, 0.0, 0.0])
+    np.testing.assert_array_equal(idx, [1, 3])
+    np.testing.assert_allclose(w, [0.3, 0.6], rtol=1e-6)
+    # a negative bias pushes the best expert out: selection [0.1, 0.2, 0.3, 0.15] -> 2, 1
+    idx, w, _ = _route(SOFT_LOGITS, cfg, bias=[0.0, 0.0, 0.0, -0.25])
+    np.testing.assert_array_equal(idx, [2, 1])
+    np.testing.assert_allclose(w, [0.6, 0.4], rtol=1e-6)  # [0.3, 0.2] / 0.5
+    # off: ignored
+    idx, _, _ = _route(SOFT_LOGITS, MoEConfig(n_experts=4, top_k=2), bias=[0.0, 0.25, 0.0, 0.0])
+    np.testing.assert_array_equal(idx, [3, 2])
+
+
 def test_sigmoid_no_norm():
     cfg = MoEConfig(n_experts=4, top_k=2, score_func="sigmoid", norm_topk_prob=False)
     idx, w, _ = _route(SIG_LOGITS, cfg)

@@ -109,12 +109,16 @@ def test_mapping_reads_the_flavor():
     assert (e.score_func, e.n_groups, e.topk_groups, e.norm_topk_prob, e.route_scale) == ("sigmoid", 8, 4, True, 2.5)
     assert (e.use_expert_bias, e.bias_update_rate, e.n_shared_experts) == (True, 1e-3, 1)
     d = config_from_titan("deepseek_v3/debugmodel").config
-    assert (d.model.yarn_mscale, d.model.yarn_mscale_all_dim, d.moe.score_func, d.moe.use_expert_bias) == (
-        0.7, 0.7, "softmax", False)
+    # torchtitan's default expert bias (load_balance_coeff 1e-3) on softmax scores is mapped
+    assert (d.model.yarn_mscale, d.model.yarn_mscale_all_dim, d.moe.score_func, d.moe.use_expert_bias,
+            d.moe.bias_update_rate) == (0.7, 0.7, "softmax", True, 1e-3)
     q = config_from_titan("qwen3/30B-A3B").config
     assert (q.model.attention, q.model.qk_norm, q.model.rope_layout, q.model.rms_norm_eps, q.model.n_kv_heads) == (
         "gqa", True, "half", 1e-6, 4)
     assert (q.moe.n_experts, q.moe.top_k, q.moe.norm_topk_prob, q.moe.n_shared_experts) == (128, 8, True, 0)
+    assert (q.moe.score_func, q.moe.use_expert_bias) == ("softmax", True)
+    off = config_from_titan("qwen3/30B-A3B", ["moe.load_balance_coeff=null"]).config
+    assert not off.moe.use_expert_bias
 
 
 @needs_titan

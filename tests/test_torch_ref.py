@@ -157,6 +157,16 @@ def test_sigmoid_bias_selects_but_does_not_weight():
     assert route(logits, e, bias=torch.tensor([0.0, 0.0, 0.7, 0.0]))["topk_idx"].tolist() == [[0, 1]]
 
 
+def test_softmax_bias_selects_but_does_not_weight():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    e = _moe(n_experts=4, top_k=2, norm_topk_prob=True, use_expert_bias=True)
+    r = route(logits, e, bias=torch.tensor([0.0, 0.25, 0.0, 0.0]))
+    assert r["topk_idx"].tolist() == [[1, 3]]  # biased scores 0.45, 0.4
+    assert torch.allclose(r["topk_weights"], torch.tensor([[1 / 3, 2 / 3]]), atol=1e-6)  # [0.2, 0.4] / 0.6
+    e.use_expert_bias = False
+    assert route(logits, e, bias=torch.tensor([0.0, 0.25, 0.0, 0.0]))["topk_idx"].tolist() == [[3, 2]]
+
+
 def test_group_limited_selection_and_group_ties():
     e = _moe(n_experts=8, top_k=2, score_func="sigmoid", n_groups=4, topk_groups=2, norm_topk_prob=False)
     # groups (0,1)=1.0 (2,3)=1.0 (4,5)=0.6 (6,7)=0.9: keep groups 0, 1; expert 2/3 tie -> 2

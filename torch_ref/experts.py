@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from jaxmoe.config.schema import MoEConfig
+from torch_ref import fp8
 from torch_ref.layers import SwiGLU
 
 
@@ -58,6 +59,9 @@ class Experts(nn.ModuleList):
             tok, choice = torch.where((idx == ex) & keep)
             if tok.numel() == 0:
                 continue
+            if fp8.current() != "none":  # rows in jaxmoe's slot order (choice rank, token): fp8 tiles over rows
+                order = torch.argsort(choice * t + tok)
+                tok, choice = tok[order], choice[order]
             y = mlp(x[tok]).float() * weights[tok, choice].float()[:, None]
             out = out.index_add(0, tok, y)
         return out.to(x.dtype), (~keep).sum()

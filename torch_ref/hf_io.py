@@ -97,12 +97,18 @@ def _load_into(model: TorchTransformer, files: dict[str, Path], where: str, dtyp
                     target.data = f.get_tensor(n).to(torch.float32 if _keeps_fp32(n) else dtype)
 
 
+# the copies of the shared embedding and head DeepSeek-V3 stores in each MTP layer
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
 def load_hf(directory, dtype: torch.dtype = torch.float32, base: Config | None = None):
     """``(cfg, model)`` from an HF directory: config.json via :func:`jaxmoe.config.hf.from_hf_config`
     (fields HF has no key for come from ``base``), weights from safetensors (single or sharded).
 
     Multi-token-prediction layers (``model.layers.{i}`` with ``i >= num_hidden_layers``, present
-    when config.json has ``num_nextn_predict_layers > 0``) are skipped: jaxmoe has none.
+    when config.json has ``num_nextn_predict_layers > 0``) load into the model's MTP depths
+    (``model.mtp_layers`` is set from that key); their stored copies of the shared embedding and
+    head (``embed_tokens.weight``, ``shared_head.head.weight``) are skipped (the model shares them).
     """
     directory = Path(directory)
     cfg_path = directory / "config.json"
@@ -113,17 +119,21 @@ def load_hf(directory, dtype: torch.dtype = torch.float32, base: Config | None =
     except json.JSONDecodeError as e:
         raise UserError(f"{cfg_path} is not valid JSON: {e}") from None
     cfg = from_hf_config(hf, base=base)
-    model = TorchTransformer(cfg)
+    files = _tensor_files(directory)
     n_layers = cfg.model.n_layers
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    if not any((mt := layer.match(n)) and int(mt.group(1)) >= n_layers for n in files):
+        cfg.model.mtp_layers = 0  # transformers writes num_nextn_predict_layers=1 but no MTP layer
+    model = TorchTransformer(cfg)
     skip = None
     if int(hf.get("num_nextn_predict_layers") or 0) > 0:
         pattern = re.compile(r"model\.layers\.(\d+)\.")
 
         def skip(name: str) -> bool:
             mt = pattern.match(name)
-            return bool(mt) and int(mt.group(1)) >= n_layers
+            return bool(mt) and int(mt.group(1)) >= n_layers and name.endswith(MTP_COPIES)
 
-    _load_into(model, _tensor_files(directory), str(directory), dtype, skip)
+    _load_into(model, files, str(directory), dtype, skip)
     return cfg, model
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxmoe.config.schema import ModelConfig
+from torch_ref import fp8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -25,6 +26,9 @@ class Linear(nn.Linear):
         super().__init__(d_in, d_out, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = fp8.current()  # compute.fp8 (torch_ref.fp8); "none" outside the decoder layers
+        if recipe != "none":
+            return fp8.linear(x, self.weight, recipe)
         return F.linear(x, self.weight.to(x.dtype))
 
 
@@ -141,3 +145,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+
+
+def shift_left(x: torch.Tensor, k: int, segment_ids: torch.Tensor | None = None):
+    """``(x shifted left by k along dim 1, valid [B, S] bool)``: position ``i`` holds ``x[:, i+k]``
+    where ``i + k < S`` (and in the same packed document), else 0."""
+    s = x.shape[1]
+    valid = torch.zeros(x.shape[:2], dtype=torch.bool)
+    valid[:, : s - k] = True
+    if segment_ids is not None:
+        same = torch.zeros_like(valid)
+        same[:, : s - k] = segment_ids[:, k:] == segment_ids[:, : s - k]
+        valid = valid & same
+    out = torch.zeros_like(x)
+    out[:, : s - k] = x[:, k:]
+    return torch.where(valid, out, torch.zeros_like(out)), valid

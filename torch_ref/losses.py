@@ -10,7 +10,11 @@
   ``load_balancing_loss_func``: every MoE layer's top-k counts and probabilities pooled over
   (layer, token) rows before one product (balanced value = k), rows of attention padding
   (``attention_mask == 0`` / ``segment_ids == 0``) left out; without either every row counts.
-* ``total = ce + z_loss_coef*z_loss + lb_coef*lb + seq_aux_coef*seq_aux + router_z_coef*router_z``.
+* ``mtp_ce`` (``model.mtp_layers > 0``; DeepSeek-V3 multi-token prediction): depth ``k``'s logits
+  against the targets shifted left by ``k`` (positions past the row or across a packed document
+  invalid), each CE summed over its valid tokens / the main ``n_valid``, averaged over depths.
+* ``total = ce + z_loss_coef*z_loss + lb_coef*lb + seq_aux_coef*seq_aux + router_z_coef*router_z``
+  (``+ mtp_loss_coef*mtp_ce`` with MTP depths).
 
 A batch is ``{"inputs": [B, S] int, "targets": [B, S] int, "mask": [B, S] (optional; 1 = valid)}``;
 targets < 0 are also invalid (ignore index).
@@ -25,6 +29,7 @@ import torch
 
 from jaxmoe.config import Config
 from jaxmoe.config.schema import MoEConfig
+from torch_ref.layers import shift_left
 
 
 def normalised_scores(scores: torch.Tensor, e: MoEConfig) -> torch.Tensor:
@@ -107,6 +112,8 @@ def loss_terms(cfg: Config, logits: torch.Tensor, aux: dict, batch: dict, n_vali
         "ce": (nll * vf).sum() / n_valid,
         "z_loss": (lse.pow(2) * vf).sum() / n_valid,
     }
+    if "mtp_logits" in aux:
+        terms["mtp_ce"] = mtp_ce(aux["mtp_logits"], targets, valid, n_valid, batch.get("segment_ids"))
     for k in ("lb", "seq_aux", "router_z"):
         terms[k] = aux["losses"][k].float()
     r = aux["router"]
@@ -115,11 +122,25 @@ def loss_terms(cfg: Config, logits: torch.Tensor, aux: dict, batch: dict, n_vali
     return terms
 
 
+def mtp_ce(mtp_logits, targets, valid, n_valid, segment_ids=None) -> torch.Tensor:
+    """The MTP term (module doc) from ``mtp_logits [N, B, S, V]``."""
+    total = torch.zeros((), dtype=torch.float32)
+    for k, lg in enumerate(mtp_logits, 1):
+        tgt, ok = shift_left(targets, k, segment_ids)
+        v, _ = shift_left(valid, k, segment_ids)
+        lg = lg.float()
+        nll = torch.logsumexp(lg, dim=-1) - lg.gather(-1, tgt[..., None])[..., 0]
+        total = total + (nll * (v & ok).float()).sum() / n_valid
+    return total / len(mtp_logits)
+
+
 def weighted_total(cfg: Config, terms: dict, aux_scale: float = 1.0) -> torch.Tensor:
     """``ce + z_loss_coef*z_loss + aux_scale * (lb, seq_aux, router_z weighted by their coefs)``.
     ``aux_scale = 1/micro_batches`` averages the per-micro-batch router losses over a step."""
     e = cfg.moe
     token_part = terms["ce"] + cfg.train.z_loss_coef * terms["z_loss"]
+    if "mtp_ce" in terms:
+        token_part = token_part + cfg.train.mtp_loss_coef * terms["mtp_ce"]
     router_part = e.lb_coef * terms["lb"] + e.seq_aux_coef * terms["seq_aux"] + e.router_z_coef * terms["router_z"]
     return token_part + aux_scale * router_part
 

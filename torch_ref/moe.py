@@ -24,7 +24,9 @@ class MoEBlock(nn.Module):
         m, e = cfg.model, cfg.moe
         self.e = e
         arch = get_arch(m.hf_arch)  # HF names: the architecture record (jaxmoe.archs)
-        self.gate = Router(m.d_model, e, with_bias_buffer=arch.bias_tensor)
+        # the bias buffer: where the architecture stores one (DeepSeek-V3), or where the config uses
+        # an expert bias the architecture cannot store (torchtitan's bias on softmax scores)
+        self.gate = Router(m.d_model, e, with_bias_buffer=arch.bias_tensor or e.use_expert_bias)
         self.experts = Experts(m.d_model, e, arch.expert_projections)
         if e.n_shared_experts > 0:
             self.shared_experts = SwiGLU(m.d_model, e.n_shared_experts * e.expert_ffn_dim)

@@ -2,13 +2,13 @@
 
 Semantics (docs/LAYOUT.md "Routing semantics"):
 
-* ``softmax``: ``p = softmax(logits)``; top-k on ``p``; weights ``p[idx]``, divided by their sum
-  if ``norm_topk_prob``; times ``route_scale``.
-* ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(logits)``; selection score ``s + bias`` (bias only if
-  ``use_expert_bias``); with ``n_groups > 1`` each group scores the sum of its top-2 selection
-  scores, the best ``topk_groups`` groups are kept and the others masked to -inf; top-k on the
-  selection scores; weights ``s[idx]`` (unbiased), divided by ``sum + 1e-20`` if
-  ``norm_topk_prob``; times ``route_scale``.
+* scores ``s``: ``softmax(logits)`` or (DeepSeek-V3) ``sigmoid(logits)``.
+* selection score ``s + bias`` when ``use_expert_bias``, whatever the score function (the
+  aux-loss-free bias of DeepSeek-V3, which torchtitan also puts on softmax scores); with
+  ``n_groups > 1`` each group scores the sum of its top-2 selection scores, the best
+  ``topk_groups`` groups are kept and the others masked to -inf; top-k on the selection scores.
+* weights ``s[idx]`` (unbiased), divided by their sum if ``norm_topk_prob`` (``sum + 1e-20`` for
+  sigmoid); times ``route_scale``.
 * top-k is sorted by score, descending, ties to the lower index (groups too). ``torch.topk``
   does not promise an order among equal values, so :func:`topk_sorted` uses a stable descending
   sort instead.
@@ -38,7 +38,7 @@ def scores_from_logits(logits: torch.Tensor, e: MoEConfig) -> torch.Tensor:
 def select_experts(scores: torch.Tensor, e: MoEConfig, bias: torch.Tensor | None) -> torch.Tensor:
     """``scores [T, E]`` -> selected expert indices ``[T, k]`` (no gradient flows through this)."""
     sel = scores.detach()
-    if e.score_func == "sigmoid" and e.use_expert_bias and bias is not None:
+    if e.use_expert_bias and bias is not None:
         sel = sel + bias.float()
     if e.n_groups > 1:
         t, n = sel.shape
@@ -77,8 +77,9 @@ def route(
 
 
 class Router(nn.Module):
-    """HF ``mlp.gate``: ``weight [E, D]`` kept in fp32; for DeepSeek-V3 also the fp32 buffer
-    ``e_score_correction_bias [E]`` (the expert bias; it only affects selection)."""
+    """HF ``mlp.gate``: ``weight [E, D]`` kept in fp32; with an expert bias (DeepSeek-V3's, or
+    one on softmax scores) also the fp32 buffer ``e_score_correction_bias [E]`` (it only affects
+    selection)."""
 
     def __init__(self, d_model: int, e: MoEConfig, with_bias_buffer: bool):
         super().__init__()

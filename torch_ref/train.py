@@ -217,7 +217,7 @@ def accumulate_gradients(model: TorchTransformer, batch: dict, cfg: Config) -> t
         objective = weighted_total(cfg, terms, aux_scale=1.0 / n_micro)
         objective.backward()
         for k, v in terms.items():  # ce / z_loss are global sums already; the rest are means
-            scale = 1.0 if k in ("ce", "z_loss") else 1.0 / n_micro
+            scale = 1.0 if k in ("ce", "z_loss", "mtp_ce") else 1.0 / n_micro
             sums[k] = sums.get(k, 0.0) + float(v.detach()) * scale
         sums["loss"] = sums.get("loss", 0.0) + float(objective.detach())
         c = aux["counts"]

@@ -5,6 +5,14 @@
 ``model.layers.{i}.mlp.*`` / Mixtral ``block_sparse_moe.*``, ``model.norm.weight``,
 ``lm_head.weight`` unless tied), linear weights ``[out, in]``; so HF checkpoints load with a plain
 ``load_state_dict`` (see ``torch_ref.hf_io``).
+
+Multi-token prediction (``model.mtp_layers = N``; DeepSeek-V3, arXiv 2412.19437 section 2.2): HF
+layers ``L .. L+N-1`` are the depths, each a decoder layer (MoE when the model has MoE layers) with
+``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``. Depth ``k``'s input at position ``i``
+is ``eh_proj(cat[enorm(embed(token[i+k])), hnorm(h_{k-1}[i])])`` with ``h_0`` the last main
+layer's output before ``model.norm``; where ``i+k`` is past the row (or in another packed
+document) the token is 0 and ``h_{k-1}`` is zeroed. Its output goes through ``shared_head.norm``
+and the shared LM head: ``aux["mtp_logits"] [N, B, S, V]``.
 """
 
 from __future__ import annotations
@@ -14,8 +22,9 @@ from torch import nn
 
 from jaxmoe.archs import get_arch
 from jaxmoe.config import Config
+from torch_ref import fp8
 from torch_ref.attention import make_attention
-from torch_ref.layers import DTYPES, Linear, RMSNorm, SwiGLU, rope_tables
+from torch_ref.layers import DTYPES, Linear, RMSNorm, SwiGLU, rope_tables, shift_left
 from torch_ref.moe import MoEBlock
 
 
@@ -26,7 +35,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config, index: int):
         super().__init__()
         m = cfg.model
-        self.is_moe = index >= m.first_k_dense
+        # an MTP depth (index >= n_layers) is a MoE layer when the model has MoE layers
+        self.is_moe = index >= m.first_k_dense if index < m.n_layers else m.n_moe_layers > 0
         # the HF module name of a MoE layer's FFN in the hub (per-expert) layout
         self.ffn_name = get_arch(m.hf_arch).moe_module["per-expert"] if self.is_moe else "mlp"
         self.self_attn = make_attention(m)
@@ -34,6 +44,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(m.d_model, m.rms_norm_eps)
         ffn = MoEBlock(cfg) if self.is_moe else SwiGLU(m.d_model, m.dense_ffn_dim)
         self.add_module(self.ffn_name, ffn)
+        if index >= m.n_layers:  # multi-token prediction depth index - n_layers + 1
+            self.enorm = RMSNorm(m.d_model, m.rms_norm_eps)
+            self.hnorm = RMSNorm(m.d_model, m.rms_norm_eps)
+            self.eh_proj = Linear(2 * m.d_model, m.d_model)
+            self.shared_head = nn.Module()
+            self.shared_head.norm = RMSNorm(m.d_model, m.rms_norm_eps)
 
     @property
     def ffn(self) -> nn.Module:
@@ -58,7 +74,7 @@ class Backbone(nn.Module):
         super().__init__()
         m = cfg.model
         self.embed_tokens = nn.Embedding(m.vocab_size, m.d_model)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.n_layers + m.mtp_layers))
         self.norm = RMSNorm(m.d_model, m.rms_norm_eps)
 
 
@@ -89,7 +105,9 @@ class TorchTransformer(nn.Module):
             b.zero_()
 
     def moe_blocks(self) -> list[MoEBlock]:
-        return [layer.ffn for layer in self.model.layers if layer.is_moe]
+        """The main layers' MoE blocks (not the MTP depths': their routing adds no loss and their
+        bias is not updated, as in jaxmoe)."""
+        return [layer.ffn for layer in self.model.layers[: self.cfg.model.n_layers] if layer.is_moe]
 
     def expert_biases(self) -> list[torch.Tensor]:
         """The ``e_score_correction_bias`` buffers (one per MoE layer; DeepSeek-V3 only)."""
@@ -123,11 +141,12 @@ class TorchTransformer(nn.Module):
         cos, sin = rope_tables(m, s, positions)
         attn_outs, moe_outs, ffn_outs, auxes = [], [], [], []
         j = 0
-        for layer in self.model.layers:
+        for layer in self.model.layers[: m.n_layers]:
             forced = None
             if layer.is_moe and forced_idx is not None:
                 forced = forced_idx[j]
-            x, attn_out, ffn_out, aux = layer(x, cos, sin, forced, segment_ids)
+            with fp8.using(self.cfg.compute.fp8):  # the LM head (below) and the router stay high precision
+                x, attn_out, ffn_out, aux = layer(x, cos, sin, forced, segment_ids)
             attn_outs.append(attn_out)
             if aux is None:
                 ffn_outs.append(ffn_out)
@@ -136,10 +155,8 @@ class TorchTransformer(nn.Module):
                 auxes.append(aux)
                 j += 1
         final = self.model.norm(x)
-        if self.lm_head is not None:
-            logits = self.lm_head(final).float()
-        else:
-            logits = (final @ self.model.embed_tokens.weight.to(final.dtype).t()).float()
+        logits = self.head(final)
+        mtp_logits = self.mtp(tokens, x, cos, sin, segment_ids) if m.mtp_layers > 0 else None
 
         def stack(key, shape, dtype):
             if not auxes:
@@ -161,6 +178,8 @@ class TorchTransformer(nn.Module):
                 name: sum((a["losses"][name] for a in auxes), zero) for name in ("lb", "seq_aux", "router_z")
             },
         }
+        if mtp_logits is not None:
+            out["mtp_logits"] = mtp_logits
         if return_probes:
             d = m.d_model
 
@@ -177,3 +196,22 @@ class TorchTransformer(nn.Module):
                 "logits": logits,
             }
         return logits, out
+
+    def head(self, final: torch.Tensor) -> torch.Tensor:
+        """The shared LM head (``lm_head`` or the tied embedding) -> fp32 logits."""
+        if self.lm_head is not None:
+            return self.lm_head(final).float()
+        return (final @ self.model.embed_tokens.weight.to(final.dtype).t()).float()
+
+    def mtp(self, tokens, h, cos, sin, segment_ids=None) -> torch.Tensor:
+        """The MTP depths (module doc) from ``h_0 = h``: logits ``[N, B, S, V]``."""
+        out = []
+        for k, layer in enumerate(self.model.layers[self.cfg.model.n_layers:], 1):
+            tok, valid = shift_left(tokens, k, segment_ids)
+            emb = self.model.embed_tokens(tok).to(self.compute_dtype)
+            h = h * valid[..., None].to(h.dtype)
+            x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))
+            h, _, _, _ = layer(x, cos, sin, None, segment_ids)
+            out.append(self.head(layer.shared_head.norm(h)))
+        return torch.stack(out)
+

@@ -39,6 +39,7 @@ FEATURES = {
     "unnormalised_topk": "un-normalised top-k weights (moe.norm_topk_prob = false)",
     "interleaved_rope": "interleaved RoPE pairs (model.rope_layout = interleaved)",
     "yarn": "YaRN RoPE scaling (model.rope_scaling = yarn)",
+    "mtp": "multi-token-prediction layers (model.mtp_layers > 0)",
 }
 
 
@@ -55,6 +56,7 @@ def features_used(cfg) -> set[str]:
         "unnormalised_topk": not e.norm_topk_prob,
         "interleaved_rope": m.rope_layout == "interleaved",
         "yarn": m.rope_scaling == "yarn",
+        "mtp": m.mtp_layers > 0,
     }
     return {k for k, v in used.items() if v}
 
@@ -90,6 +92,11 @@ LAYER_NAMES = {  # in hub order (experts go between the bias and the shared expe
     "shared/gate_proj": "{moe}.shared_experts.gate_proj.weight",
     "shared/up_proj": "{moe}.shared_experts.up_proj.weight",
     "shared/down_proj": "{moe}.shared_experts.down_proj.weight",
+    # a multi-token-prediction depth (``mtp/<path>``, HF layer L + k - 1; DeepSeek-V3's names)
+    "enorm": "enorm.weight",
+    "hnorm": "hnorm.weight",
+    "eh_proj": "eh_proj.weight",
+    "norm": "shared_head.norm.weight",
 }
 PER_EXPERT_NAMES = {
     "experts/gate_proj": "{moe}.experts.{e}.{gate}.weight",
@@ -138,8 +145,9 @@ class Arch:
     doc: str = ""
 
     # -- what the architecture can express ---------------------------------------------------
-    def problems(self, cfg) -> list[str]:
-        """Why ``cfg`` cannot be written in this architecture (empty when it can)."""
+    def problems(self, cfg, allow: frozenset = frozenset()) -> list[str]:
+        """Why ``cfg`` cannot be written in this architecture (empty when it can); features in
+        ``allow`` are not counted."""
         m, e = cfg.model, cfg.moe
         out = []
         if m.attention != self.attention:
@@ -152,7 +160,7 @@ class Arch:
             if have != want:
                 out.append(f"{key}={have!r} ({self.name} fixes it at {want!r})")
         used = features_used(cfg)
-        for f in sorted(used - self.features - self.required):
+        for f in sorted(used - self.features - self.required - allow):
             out.append(f"{FEATURES[f]} ({self.name} has none)")
         for f in sorted(self.required - used):
             out.append(f"a config without {FEATURES[f]} ({self.name} always has it)")

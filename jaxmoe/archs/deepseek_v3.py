@@ -40,7 +40,7 @@ def to_hf(cfg) -> dict:
         topk_method="noaux_tc" if e.use_expert_bias else "greedy",
         seq_aux=e.seq_aux_coef > 0,
         aux_loss_alpha=e.seq_aux_coef,
-        num_nextn_predict_layers=0,  # jaxmoe has no multi-token-prediction layers
+        num_nextn_predict_layers=m.mtp_layers,  # multi-token-prediction depths (layers L ..)
         attention_bias=False,
     )
 
@@ -73,6 +73,9 @@ def from_hf(d: dict, cfg) -> None:
     m.rope_layout = "interleaved" if get(d, "rope_interleave") else "half"
     # HF: layer i is MoE iff i >= first_k_dense_replace (so a value past the last layer = all dense)
     m.first_k_dense = min(int(d.get("first_k_dense_replace") or 0), m.n_layers)
+    # a missing key reads as transformers' class default (1); the hf: reader drops it to 0 when the
+    # checkpoint holds no MTP tensors (port/maps/hf_map.without_absent_mtp)
+    m.mtp_layers = int(d.get("num_nextn_predict_layers", 1) or 0)
     m.dense_ffn_dim = int(get(d, "intermediate_size"))
     e.n_experts = int(get(d, "n_routed_experts", "num_local_experts"))
     e.expert_ffn_dim = int(get(d, "moe_intermediate_size"))
@@ -114,7 +117,7 @@ ARCH = Arch(
     model_types=("deepseek_v3", "kimi_k2"),
     attention="mla",
     score_func="sigmoid",
-    features=frozenset({"shared_experts", "expert_bias", "dense_layers", "groups", "route_scale",
+    features=frozenset({"mtp", "shared_experts", "expert_bias", "dense_layers", "groups", "route_scale",
                         "unnormalised_topk", "interleaved_rope", "yarn"}),
     required=frozenset(),
     moe_module={"per-expert": "mlp", "fused": "mlp"},

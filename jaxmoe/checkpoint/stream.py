@@ -44,7 +44,7 @@ def release_pages(arr) -> None:
 
 # Chunk writes in flight (TensorStore writes while the next are issued; 8 broke test_port_io's RSS
 # bound), stored uncompressed (zstd-1 spends CPU on both sides to save little of the bytes).
-# Measured: docs/MEASUREMENTS.md, "Conversion".
+# Measured: docs/history/MEASUREMENTS-2026-12.md, "Conversion at disk speed".
 STREAM_WRITES_IN_FLIGHT = 4
 
 def _chunk_boxes(shape, chunk):

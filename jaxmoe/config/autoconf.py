@@ -1,7 +1,8 @@
 """``auto`` config values -> concrete ones, per backend and shape: the one place they are chosen.
 
-Four fields take ``auto`` and default to it: ``moe.compute_path``, ``compute.attention_kernel``,
-``compute.scan_unroll`` and ``compute.ce_chunk_tokens``. :func:`resolve_auto` returns the config
+Five fields take ``auto`` and default to it: ``moe.compute_path``, ``moe.ragged_kernel``,
+``compute.attention_kernel``, ``compute.scan_unroll`` and ``compute.ce_chunk_tokens``.
+:func:`resolve_auto` returns the config
 with each ``auto`` replaced by the value the rules below pick for the backend (``cpu``, ``gpu``
 (``cuda``/``rocm``), ``tpu``) and the config's shape; an explicit value (given by ``--set``, a
 config file or a preset) is never changed. The model (:class:`jaxmoe.model.transformer.Model`,
@@ -17,9 +18,14 @@ The rules (evidence: docs/MEASUREMENTS.md, "auto defaults"):
   on CPU the bench's coarse step ran slower with it) and ``dense`` holds a worst-case capacity
   per expert; ``blocked`` is a grouped GEMM over 16..64-row blocks with no dense
   ``[groups, rows, K]`` operand. ``ragged`` on TPU, where ``ragged_dot`` is a native grouped
-  matmul. With ``moe.ragged_kernel=mosaic_gpu`` (which applies to ``ragged`` only): ``ragged``.
+  matmul. With ``moe.ragged_kernel=mosaic_gpu`` or ``tokamax`` set (they apply to ``ragged``
+  only): ``ragged``.
   On GPU the Mosaic grouped GEMM stays opt-in until ``bench/gpu.py``'s ``kernel_check`` has
   passed on a device; the reason is printed once per process.
+* ``moe.ragged_kernel`` (the ``ragged`` path's grouped matmul): ``tokamax`` on CUDA when the
+  ``tokamax`` package is installed (the ``[gpu]`` extra, Python >= 3.12), else ``xla``. It matters
+  only where ``moe.compute_path`` is ``ragged``, which ``auto`` picks on GPU only when a kernel is
+  set explicitly: the tokamax kernels have not been run on a device by this project yet.
 * ``compute.attention_kernel``: ``dot_product`` on GPU (``jax.nn.dot_product_attention``, cuDNN
   flash attention), ``explicit`` elsewhere (what :func:`jaxmoe.model.attention.attend` did).
 * ``compute.scan_unroll``: on CPU ``0`` (every layer unrolled: no stacked per-layer buffers to
@@ -51,8 +57,8 @@ from jaxmoe.config.schema import Config
 UNROLL_MAX_LAYERS = 8
 CE_CHUNK = 1024
 CE_CHUNK_MIN_LOGITS = 1 << 24
-AUTO_FIELDS = (("moe", "compute_path"), ("compute", "attention_kernel"), ("compute", "scan_unroll"),
-               ("compute", "ce_chunk_tokens"))
+AUTO_FIELDS = (("moe", "compute_path"), ("moe", "ragged_kernel"), ("compute", "attention_kernel"),
+               ("compute", "scan_unroll"), ("compute", "ce_chunk_tokens"))
 MOSAIC_NOTE = ("moe.compute_path=auto -> blocked on GPU; moe.ragged_kernel=mosaic_gpu (the Hopper "
                "grouped GEMM, with moe.compute_path=ragged) stays opt-in until bench/gpu.py's "
                "kernel_check has passed on a device")
@@ -73,9 +79,22 @@ def backend_kind(backend: str | None = None) -> str:
 
 
 def _compute_path(cfg: Config, kind: str) -> str:
-    if cfg.moe.ragged_kernel == "mosaic_gpu":
+    if cfg.moe.ragged_kernel in ("mosaic_gpu", "tokamax"):
         return "ragged"
     return "ragged" if kind == "tpu" else "blocked"
+
+
+def tokamax_importable() -> bool:
+    """Whether the ``tokamax`` package is installed here (found, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tokamax") is not None
+
+
+def _ragged_kernel(cfg: Config, kind: str) -> str:
+    if kind == "gpu" and tokamax_importable():
+        return "tokamax"
+    return "xla"
 
 
 def _scan_unroll(cfg: Config, kind: str) -> int:
@@ -94,6 +113,7 @@ def _ce_chunk_tokens(cfg: Config, kind: str) -> int:
 
 _RULES = {
     ("moe", "compute_path"): _compute_path,
+    ("moe", "ragged_kernel"): _ragged_kernel,
     ("compute", "attention_kernel"): lambda cfg, kind: "dot_product" if kind == "gpu" else "explicit",
     ("compute", "scan_unroll"): _scan_unroll,
     ("compute", "ce_chunk_tokens"): _ce_chunk_tokens,
@@ -134,4 +154,4 @@ def say_once(line: str) -> None:
 
 
 __all__ = ["AUTO_FIELDS", "CE_CHUNK", "CE_CHUNK_MIN_LOGITS", "MOSAIC_NOTE", "UNROLL_MAX_LAYERS", "auto_choices",
-           "backend_kind", "resolve_auto", "say_once"]
+           "backend_kind", "resolve_auto", "say_once", "tokamax_importable"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 COUNT_METHOD = (
     "Counted analytically from the config: every trained weight (embedding, attention, norms, "
     "dense FFNs, router weights, routed and shared experts, final norm, and the LM head when "
-    "untied). Expert-bias buffers (not trained) and multi-token-prediction layers are excluded. "
+    "untied). Expert-bias buffers (not trained) are excluded; multi-token-prediction depths "
+    "(model.mtp_layers: each one decoder layer plus enorm, hnorm, eh_proj and its norm; the "
+    "embedding and head shared) are counted apart (mtp_params), not in total or active. "
     "Active per token = total minus the routed experts a token does not visit "
     "((n_experts - top_k) per MoE layer); embeddings and head are counted in both."
 )
@@ -48,10 +50,15 @@ def count_params(cfg) -> dict:
     base = embed + head + final_norm + m.first_k_dense * dense_layer
     total = base + m.n_moe_layers * moe_layer_total
     active = base + m.n_moe_layers * moe_layer_active
+    # an MTP depth: its block (MoE when the model has MoE layers) + enorm, hnorm, norm + eh_proj
+    mtp_depth = (moe_layer_total if m.n_moe_layers > 0 else dense_layer) + 3 * d + 2 * d * d
     return {
         "name": m.name,
         "total_params": int(total),
         "active_params": int(active),
+        "mtp_params": int(m.mtp_layers * mtp_depth),
+        # DeepSeek-V3's HF checkpoint also stores a copy of the embedding and the head per depth
+        "mtp_params_hf_stored": int(m.mtp_layers * (mtp_depth + 2 * embed)),
         "breakdown": {
             "embedding": embed,
             "lm_head": head,
@@ -67,6 +74,7 @@ def count_params(cfg) -> dict:
             "d_model": d,
             "n_layers": m.n_layers,
             "first_k_dense": m.first_k_dense,
+            "mtp_layers": m.mtp_layers,
             "n_moe_layers": m.n_moe_layers,
             "attention": m.attention,
             "n_heads": m.n_heads,

@@ -241,6 +241,24 @@ def _positive(cfg: Config, section: str, *keys: str, allow_zero: bool = False) -
             raise ConfigError(f"{section}.{k}={v} must be {need}")
 
 
+def profile_window(spec: str, steps: int) -> tuple[int, int] | None:
+    """``train.profile_steps`` ``"A:B"`` -> ``(A, B)``, steps numbered from 1 as in metrics.jsonl
+    (``1 <= A <= B <= train.steps``); ``""`` -> None; anything else: a one-line ConfigError."""
+    if not spec:
+        return None
+    a, sep, b = str(spec).partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        lo, hi = int(a), int(b)
+    except ValueError:
+        raise ConfigError(f"train.profile_steps={spec!r} must be 'A:B', two step numbers (e.g. '3:5')") from None
+    if not 1 <= lo <= hi <= steps:
+        raise ConfigError(f"train.profile_steps={spec!r} must satisfy 1 <= A <= B <= train.steps={steps} "
+                          "(steps are numbered from 1, as in metrics.jsonl)")
+    return lo, hi
+
+
 def validate(cfg: Config) -> Config:
     """``cfg`` itself if every field is allowed and the fields agree; else a one-line ConfigError
     naming the key (before any compute)."""
@@ -249,7 +267,17 @@ def validate(cfg: Config) -> Config:
     _check_model(cfg)
     _check_moe(cfg)
     _check_mesh(cfg)
+    _check_fp8(cfg)
     return cfg
+
+
+def _check_fp8(cfg: Config) -> None:
+    """compute.fp8 covers the dense layers everywhere and the routed experts on moe.compute_path=dense
+    only (blocked / ragged / mesh dispatch: not yet, issue 40)."""
+    c, e = cfg.compute, cfg.moe
+    if c.fp8 != "none" and cfg.model.n_moe_layers > 0 and e.compute_path != "dense":
+        raise ConfigError(f"compute.fp8={c.fp8!r} covers routed experts on moe.compute_path='dense' only "
+                          f"(not {e.compute_path!r}); set moe.compute_path=dense or compute.fp8=none")
 
 
 def _check_fields(cfg: Config) -> None:
@@ -270,7 +298,7 @@ def _check_run(cfg: Config) -> None:
     m, t, o = cfg.model, cfg.train, cfg.optim
     _positive(cfg, "train", "batch_size", "seq_len", "micro_batches", "steps", "log_every",
               "max_bad_steps")
-    _positive(cfg, "train", "eval_every", allow_zero=True)
+    _positive(cfg, "train", "eval_every", "local_checkpoint_every", allow_zero=True)
     _positive(cfg, "checkpoint", "every", "keep", allow_zero=True)
     _positive(cfg, "optim", "warmup_steps", "muon_ns_steps", allow_zero=True)
     _positive(cfg, "compute", "ce_chunk_tokens", "scan_unroll", allow_zero=True)
@@ -279,13 +307,16 @@ def _check_run(cfg: Config) -> None:
         raise ConfigError(f"train.eval_batches={t.eval_batches} must be > 0 when train.eval_every="
                           f"{t.eval_every} > 0 (or set train.eval_every=0 to turn evaluation off)")
     for section, k in (("checkpoint", "minutes"), ("optim", "weight_decay"), ("optim", "muon_weight_decay"),
-                       ("optim", "grad_clip"), ("train", "z_loss_coef"), ("optim", "eps"), ("optim", "muon_eps")):
+                       ("optim", "grad_clip"), ("train", "z_loss_coef"), ("train", "mtp_loss_coef"),
+                       ("optim", "eps"), ("optim", "muon_eps")):
         if getattr(getattr(cfg, section), k) < 0:
             raise ConfigError(f"{section}.{k}={getattr(getattr(cfg, section), k)} must be >= 0")
     if not 0 <= o.beta1 < 1 or not 0 <= o.beta2 < 1 or not 0 <= o.muon_momentum < 1:
         raise ConfigError("optim.beta1, optim.beta2 and optim.muon_momentum must be in [0, 1)")
     if not 0 <= o.min_lr_ratio <= 1 or not 0 <= o.wsd_decay_frac <= 1 or not 0 <= o.titan_decay_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio, optim.wsd_decay_frac and optim.titan_decay_ratio must be in [0, 1]")
+    if t.profile_steps:
+        profile_window(t.profile_steps, t.steps)
     if t.batch_size % t.micro_batches:
         raise ConfigError(
             f"train.micro_batches={t.micro_batches} does not divide train.batch_size={t.batch_size}"
@@ -304,7 +335,7 @@ def _check_run(cfg: Config) -> None:
 def _check_model(cfg: Config) -> None:
     m = cfg.model
     _positive(cfg, "model", "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
-    _positive(cfg, "model", "first_k_dense", allow_zero=True)
+    _positive(cfg, "model", "first_k_dense", "mtp_layers", allow_zero=True)
     if m.first_k_dense > m.n_layers:
         raise ConfigError(
             f"model.first_k_dense={m.first_k_dense} exceeds model.n_layers={m.n_layers}"
@@ -356,12 +387,13 @@ def _check_moe(cfg: Config) -> None:
                 f"moe.top_k={e.top_k} exceeds the {e.topk_groups * per_group} experts in "
                 f"moe.topk_groups={e.topk_groups} groups of {per_group}"
             )
-    if e.use_expert_bias and e.score_func != "sigmoid":
-        raise ConfigError("moe.use_expert_bias=true requires moe.score_func='sigmoid' (DeepSeek-V3)")
     if e.capacity_factor < 0:
         raise ConfigError(f"moe.capacity_factor={e.capacity_factor} must be >= 0 (0 = dropless)")
     if e.block_size <= 0:
         raise ConfigError(f"moe.block_size={e.block_size} must be > 0")
+    if e.ragged_kernel == "tokamax" and e.compute_path not in ("ragged", "auto"):
+        raise ConfigError(f"moe.ragged_kernel='tokamax' applies to moe.compute_path='ragged' only (this "
+                          f"config uses {e.compute_path!r}); set one or the other")
     if e.ragged_kernel == "mosaic_gpu":  # the device itself is checked when the step is traced
         if e.compute_path not in ("ragged", "auto"):  # auto picks ragged for it (jaxmoe.config.autoconf)
             raise ConfigError(f"moe.ragged_kernel='mosaic_gpu' applies to moe.compute_path='ragged' "
@@ -402,5 +434,6 @@ __all__ = [
     "list_presets",
     "load_config",
     "parse_override",
+    "profile_window",
     "validate",
 ]

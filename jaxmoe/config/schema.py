@@ -32,6 +32,9 @@ class ModelConfig:
     d_model: int = 64
     n_layers: int = 2
     first_k_dense: int = 0  # the first k layers use a dense SwiGLU FFN instead of MoE
+    # multi-token prediction (DeepSeek-V3 sec. 2.2, jaxmoe/model/mtp.py): N extra depths after the
+    # main layers, each one decoder layer (MoE when the model has MoE layers); HF layers L..L+N-1
+    mtp_layers: int = 0
     dense_ffn_dim: int = 128  # intermediate size of the dense FFN layers
     attention: Literal["gqa", "mla"] = "gqa"
     n_heads: int = 4
@@ -118,8 +121,10 @@ class MoEConfig:
     capacity_factor: float = 0.0  # dense path: 0 = dropless (capacity = worst case)
     block_size: int = 16  # blocked path: each expert's token group is padded to a multiple of this
     # ragged path's grouped matmul (jaxmoe.model.grouped_gemm): xla = jax.lax.ragged_dot (native on
-    # TPU, lowered densely on CPU/GPU); mosaic_gpu = jax's Hopper Pallas kernels (bf16, GPU only)
-    ragged_kernel: Literal["xla", "mosaic_gpu"] = "xla"
+    # TPU, lowered densely on CPU/GPU); mosaic_gpu = jax's Hopper Pallas kernels (bf16, GPU only);
+    # tokamax = tokamax.ragged_dot (the [gpu] extra, Python >= 3.12); auto = tokamax on CUDA when
+    # it imports, else xla (jaxmoe.config.autoconf)
+    ragged_kernel: Literal["auto", "xla", "mosaic_gpu", "tokamax"] = "auto"
     router_init_std: float = 0.02
 
 
@@ -156,12 +161,17 @@ class ComputeConfig:
     # layers per iteration of the layer scans (jaxmoe.model.transformer): 1 = rolled (compile time
     # flat in depth); N = N layers per iteration; 0 = every layer unrolled: no stacked per-layer
     # buffers to zero-fill, slice and write back (faster for shallow stacks on CPU; figures in
-    # docs/MEASUREMENTS.md), compile time grows with depth; auto = on CPU 0 for stacks of at most
+    # docs/MEASUREMENTS.md, "auto defaults"), compile time grows with depth; auto = on CPU 0 for stacks of at most
     # 8 layers, else 1; 1 on GPU/TPU (jaxmoe.config.autoconf)
     scan_unroll: int | str = field(default="auto", metadata={"type": int, "auto": True})
     # what each layer keeps for the backward: none (everything), full (its input only), save_dots
     # (matmul outputs), offload (its residuals in pinned_host memory, the rest recomputed)
     remat: Literal["none", "full", "save_dots", "offload"] = "none"
+    # FP8 matmuls (jaxmoe.model.fp8): quantise-dequantise to e4m3 with current scaling, fp32
+    # accumulation, of attention projections, dense MLPs, shared and routed experts (router, norms,
+    # embeddings and LM head stay high precision). tensorwise / rowwise: torchao's recipes;
+    # blockwise: DeepSeek-V3's 1x128 activation tiles and 128x128 weight blocks. Also `train.fp8`.
+    fp8: Literal["none", "tensorwise", "rowwise", "blockwise"] = "none"
 
 
 @dataclass
@@ -241,13 +251,31 @@ class TrainConfig:
     seq_len: int = 64
     micro_batches: int = 1  # gradient accumulation: batch_size split into this many micro-batches
     z_loss_coef: float = 0.0  # output-logit z-loss
+    # multi-token prediction loss weight: total = ce + coef * mean over depths of the depth CE
+    # (each over the main valid-token count); 0.3 = torchtitan 0.3's MTPLoss default (mtp_scale)
+    mtp_loss_coef: float = 0.3
     eval_every: int = 20
     eval_batches: int = 2
     log_every: int = 1
     max_bad_steps: int = 3
+    # W&B beside TensorBoard (the [wandb] extra, jaxmoe.train.wandb_log); tags comma-separated;
+    # WANDB_MODE in the environment overrides wandb_mode
+    wandb: bool = False
+    wandb_project: str = "jaxmoe"
+    wandb_name: str = ""  # default: the run directory's name
+    wandb_tags: str = ""
+    wandb_mode: Literal["online", "offline"] = "online"
+    dead_expert_steps: int = 50  # one warning line when an expert got no token for N steps in a row (0: off)
     # fetch step n's metrics while step n+1 runs and prepare batches on a thread; false: the
     # synchronous loop (the same losses bit for bit; for comparison and debugging)
     async_loop: bool = True
+    # "A:B": an XLA profiler trace (TensorBoard/xprof) of steps A..B (1-based, as in metrics.jsonl)
+    # into the run directory's tb/plugins/profile (jaxmoe.train.profile_window); "" = none
+    profile_steps: str = ""
+    # emergency tier (jaxmoe.checkpoint.emergency): every N steps each process writes its shards
+    # to local disk (0: off); a restart restores from the newest complete tier, local or persistent
+    local_checkpoint_every: int = 0
+    local_checkpoint_dir: str = ""  # "" = RUN_DIR/local_checkpoints; e.g. a node-local SSD path
 
 
 SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "mesh": MeshConfig, "compute": ComputeConfig,

@@ -11,11 +11,10 @@ rotation unscaled: jaxmoe's ``yarn_mscale = yarn_mscale_all_dim = mscale``), and
 
 Every layer must agree (one attention config, one MoE config); anything jaxmoe cannot represent
 raises :class:`jaxmoe.errors.UserError` with one line naming the field (a bias on a linear, Llama
-RoPE scaling, untruncated YaRN, multi-token-prediction layers, ...). Two things are mapped with a
-note (:attr:`TitanConfig.notes`) instead: Kimi's vision tower (the text tower is mapped) and an
-expert bias on *softmax* scores (torchtitan's default ``load_balance_coeff=1e-3`` adds one to every
-MoE layer; jaxmoe's aux-loss-free bias is sigmoid-only, so it is left out -- it is zero at init,
-so forward and gradients agree; a training run diverges once torchtitan's hook moves it).
+RoPE scaling, untruncated YaRN, multi-token-prediction layers, ...). Kimi's vision tower is left
+out with a note (:attr:`TitanConfig.notes`); its text tower is mapped. torchtitan's expert bias
+(``load_balance_coeff``, 1e-3 by default, on every MoE layer) maps to ``moe.use_expert_bias`` with
+``bias_update_rate = load_balance_coeff`` whatever the score function, softmax included.
 
 torchtitan is imported here, lazily: ``jaxmoe config --from-titan`` fails with one line naming
 the ``[titan]`` extra when it is missing (:func:`import_titan`).
@@ -274,14 +273,11 @@ def _map_moe(moes, e, name: str, notes: list[str]) -> None:
     coeff = _one((x.load_balance_coeff for x in moes), "moe.load_balance_coeff")
     if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float))):
         raise UserError(f"{name}: moe.load_balance_coeff={coeff!r}: a number or null (--titan-set takes JSON)")
+    # torchtitan's expert bias selects on scores + bias for softmax and sigmoid alike; so does jaxmoe's
     if coeff is None:
         e.use_expert_bias = False
-    elif e.score_func == "sigmoid":
-        e.use_expert_bias, e.bias_update_rate = True, float(coeff)
     else:
-        e.use_expert_bias = False
-        notes.append(f"{name}: moe.load_balance_coeff={coeff} (an expert bias on softmax scores) not mapped: "
-                     "jaxmoe's aux-loss-free bias is sigmoid-only; zero at init, so forward and gradients agree")
+        e.use_expert_bias, e.bias_update_rate = True, float(coeff)
     # torchtitan's losses: summed CE / global valid tokens, no aux losses by default
     e.lb_coef = e.seq_aux_coef = e.router_z_coef = 0.0
 

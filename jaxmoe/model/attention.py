@@ -11,7 +11,7 @@ The score/softmax/value kernel is a named choice, ``compute.attention_kernel`` (
   (CPU, fp32, unsupported head dims: decided at trace time, falling back to XLA).
 * ``explicit``: the scores materialised by hand (:func:`causal_softmax_attend`). On XLA:CPU the
   XLA implementation of ``dot_product_attention`` materialises the same scores too and its
-  compiled fwd+bwd moved more bytes for the same FLOPs (docs/MEASUREMENTS.md, "Train step").
+  compiled fwd+bwd moved more bytes for the same FLOPs (docs/MEASUREMENTS.md, "Kernels").
 * ``auto`` (default): ``dot_product`` on GPU, ``explicit`` elsewhere.
 
 Document packing (``segment_ids [B, S]`` int, documents numbered 1, 2, ... in a row, 0 = padding):
@@ -24,9 +24,12 @@ The ``dot_product`` kernel passes the same-segment test as ``mask [B, 1, S, S]``
 ``is_causal``; jax hands it to cuDNN as an additive ``[B, 1, S, S]`` bias in the compute dtype (a
 GPU path not exercised by the CPU test suite).
 
-MLA's value head dim differs from its query/key head dim; ``jax.nn.dot_product_attention`` needs
-equal head dims (jax 0.10-0.12), so the narrower side is zero-padded (zeros in v give zero output
-columns, sliced off; zeros in q/k add nothing to the scores; the scale is passed explicitly).
+MLA's value head dim differs from its query/key head dim. On a GPU with cuDNN >= 9.10 (Hopper or
+later; jax #28872) cuDNN's fused attention takes d_qk != d_v as they are (:func:`_cudnn_mla`), so no
+PV work is spent on padding. Otherwise -- ``jax.nn.dot_product_attention`` needs equal head dims
+(jax 0.10-0.12) -- the narrower side is zero-padded (zeros in v give zero output columns, sliced
+off; zeros in q/k add nothing to the scores; the scale is passed explicitly). Which of the two an
+MLA model took is said once per process (``attention: MLA ...`` on stderr, when it is traced).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.config.autoconf import say_once
 from jaxmoe.config.schema import ModelConfig
 from jaxmoe.model.layers import apply_rope, yarn_softmax_mscale
 from jaxmoe.model.params import Linear, RMSNorm, builds, normal, ones, stack_axes
@@ -56,10 +60,34 @@ def document_mask(segment_ids: jax.Array) -> jax.Array:
     return causal & (segment_ids[..., :, None] == segment_ids[..., None, :])
 
 
+def _cudnn_mla(q, k, v, scale, mask):
+    """cuDNN fused attention with ``d_qk != d_v``, unpadded, or None where it does not apply.
+
+    ``jax.nn.dot_product_attention`` checks ``value.shape == key.shape`` (jax 0.10-0.12), so this
+    calls the entry point its ``cudnn`` implementation wraps,
+    ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` (private to jax, the same
+    arguments jax.nn passes); it checks the cuDNN version (>= 9.10 for d_qk != d_v) and the GPU
+    (Hopper or later) and raises NotImplementedError otherwise: the caller then pads."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        return fa.dot_product_attention(q, k, v, None, mask, scale=scale, mask_type=fa.MaskType.CAUSAL)
+    except (ImportError, AttributeError, NotImplementedError, RuntimeError, ValueError):
+        return None
+
+
 def _dot_product(q, k, v, scale, segment_ids=None):
     """``jax.nn.dot_product_attention`` on ``q [B,S,H,d]``, ``k [B,S,KV,d]``, ``v [B,S,KV,dv]``;
     with ``segment_ids [B, S]`` a same-segment mask ``[B, 1, S, S]`` on top of ``is_causal``."""
     d, dv = q.shape[-1], v.shape[-1]
+    if dv != d and _use_cudnn(q, v):  # MLA on GPU: cuDNN >= 9.10 takes the head dims as they are
+        mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        out = _cudnn_mla(q, k, v, scale, mask)
+        say_once(f"attention: MLA (d_qk={d}, d_v={dv}) by cuDNN fused attention, unpadded" if out is not None
+                 else f"attention: MLA (d_qk={d}, d_v={dv}) by cuDNN with head dims padded to {max(d, dv)} "
+                      "(unpadded needs cuDNN >= 9.10 on Hopper or later)")
+        if out is not None:
+            return out.astype(q.dtype)
     if dv < d:  # MLA: pad v's head dim up to q/k's
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, d - dv)])
     elif dv > d:
@@ -79,19 +107,29 @@ def _dot_product(q, k, v, scale, segment_ids=None):
     return out[..., :dv].astype(q.dtype)
 
 
-def attend(q, k, v, scale, kernel: str = "auto", segment_ids=None):
+def attend(q, k, v, scale, kernel: str = "auto", segment_ids=None, q_shared=None, k_shared=None):
     """Causal attention: ``q [B,S,H,d]``, ``k [B,S,KV,d]``, ``v [B,S,KV,dv]`` (``H`` a multiple
     of ``KV``) -> ``[B,S,H,dv]`` in ``q.dtype``, by ``kernel`` (module doc); with
-    ``segment_ids [B, S]`` no token attends across a document boundary (:func:`document_mask`)."""
+    ``segment_ids [B, S]`` no token attends across a document boundary (:func:`document_mask`).
+
+    ``q_shared [B,S,H,r]`` with ``k_shared [B,S,r]``: one more key part that every head shares
+    (MLA's RoPE key), as if ``q`` and every key head were concatenated with them. The explicit
+    kernel adds ``q_shared . k_shared`` to the scores without broadcasting the shared key to the
+    heads; ``dot_product`` concatenates."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown compute.attention_kernel {kernel!r}; use one of {', '.join(KERNELS)}")
     if kernel == "auto":
         kernel = "dot_product" if jax.default_backend() == "gpu" else "explicit"
-    if kernel == "dot_product":
-        return _dot_product(q, k, v, scale, segment_ids)
     b, s, h, d = q.shape
     kv = k.shape[2]
-    out = causal_softmax_attend(q.reshape(b, s, kv, h // kv, d), k, v, scale, segment_ids)
+    if kernel == "dot_product":
+        if q_shared is not None:
+            q = jnp.concatenate([q, q_shared], axis=-1)
+            k = jnp.concatenate([k, jnp.broadcast_to(k_shared[:, :, None], (b, s, kv, k_shared.shape[-1]))], -1)
+        return _dot_product(q, k, v, scale, segment_ids)
+    g = h // kv
+    qs = None if q_shared is None else q_shared.reshape(b, s, kv, g, q_shared.shape[-1])
+    out = causal_softmax_attend(q.reshape(b, s, kv, g, d), k, v, scale, segment_ids, qs, k_shared)
     return out.reshape(b, s, h, v.shape[-1])
 
 
@@ -102,30 +140,47 @@ def attend(q, k, v, scale, kernel: str = "auto", segment_ids=None):
 _Q_BLOCK = 128
 
 
-def _attend_block(q, k, v, scale, q0, segment_ids=None):
-    """Queries ``q0 .. q0+Sq-1`` (``q [B,Sq,KV,G,d]``) against keys ``0 .. Sk-1``, causal (and
-    within a segment when ``segment_ids [B, S]`` is given)."""
-    sq, sk = q.shape[1], k.shape[1]
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * scale
+def _attend_block(qh, kh, vh, scale, q0, segment_ids=None, qs=None, ks=None):
+    """Head-major queries ``q0 .. q0+Sq-1`` (``qh [B,KV,G,Sq,d]``) against keys ``0 .. Sk-1``
+    (``kh [B,KV,Sk,d]``, ``vh [B,KV,Sk,dv]``), causal (and within a segment when ``segment_ids
+    [B, S]`` is given); ``qs [B,KV,G,Sq,r]`` . ``ks [B,Sk,r]``: the shared key part. -> fp32
+    ``[B,KV,G,Sq,dv]``."""
+    sq, sk = qh.shape[3], kh.shape[2]
+    scores = jnp.einsum("bkgsd,bktd->bkgst", qh, kh, preferred_element_type=jnp.float32)
+    if qs is not None:
+        scores = scores + jnp.einsum("bkgsr,btr->bkgst", qs, ks, preferred_element_type=jnp.float32)
+    scores = scores * scale
     mask = (q0 + jnp.arange(sq))[:, None] >= jnp.arange(sk)[None, :]
     if segment_ids is not None:  # [B, Sq, Sk] -> [B, 1, 1, Sq, Sk] against scores [B, KV, G, Sq, Sk]
         same = segment_ids[:, q0:q0 + sq, None] == segment_ids[:, None, :sk]
         mask = (mask & same)[:, None, None]
     scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vh.dtype)
+    return jnp.einsum("bkgst,bktd->bkgsd", probs, vh, preferred_element_type=jnp.float32)
 
 
-def causal_softmax_attend(q, k, v, scale, segment_ids=None):
+def causal_softmax_attend(q, k, v, scale, segment_ids=None, q_shared=None, k_shared=None):
     """q ``[B,S,KV,G,d]``, k ``[B,S,KV,d]``, v ``[B,S,KV,dv]`` -> ``[B,S,KV,G,dv]`` (q.dtype);
-    ``segment_ids [B, S]``: attention stays within each segment (the module doc)."""
+    ``segment_ids [B, S]``: attention stays within each segment (the module doc); ``q_shared
+    [B,S,KV,G,r]`` . ``k_shared [B,S,r]``: a key part shared by every head (:func:`attend`).
+
+    The operands are put head-major (``[B,KV,G,S,d]``) once, before the query blocks, so each
+    block's two batched matmuls read contiguous ``[S, d]`` tiles per head instead of transposing
+    sequence-major operands inside every block's einsum (faster on XLA:CPU; the figures are in
+    docs/MEASUREMENTS.md, "Train step against torchtitan")."""
     s_len = q.shape[1]
+    qh, kh, vh = q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    qs = None if q_shared is None else q_shared.transpose(0, 2, 3, 1, 4)
     qb = _Q_BLOCK
     if qb <= 0 or s_len <= qb or s_len % qb:
-        return _attend_block(q, k, v, scale, 0, segment_ids).astype(q.dtype)
-    outs = [_attend_block(q[:, i:i + qb], k[:, :i + qb], v[:, :i + qb], scale, i, segment_ids)
-            for i in range(0, s_len, qb)]
-    return jnp.concatenate(outs, axis=1).astype(q.dtype)
+        out = _attend_block(qh, kh, vh, scale, 0, segment_ids, qs, k_shared)
+    else:
+        out = jnp.concatenate(
+            [_attend_block(qh[:, :, :, i:i + qb], kh[:, :, :i + qb], vh[:, :, :i + qb], scale, i, segment_ids,
+                           None if qs is None else qs[:, :, :, i:i + qb],
+                           None if k_shared is None else k_shared[:, :i + qb]) for i in range(0, s_len, qb)],
+            axis=3)
+    return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
 
 class GQAttention(nnx.Module):
@@ -215,9 +270,8 @@ class MLAttention(nnx.Module):
         k_nope, v = kv[..., :nope], kv[..., nope:]
         q_rope = apply_rope(q_rope, cos, sin, self.rope_layout)
         k_rope = apply_rope(k_rope, cos, sin, self.rope_layout)
-        q_full = jnp.concatenate([q_nope, q_rope], axis=-1)
-        k_full = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, rope))], axis=-1)
-        out = attend(q_full, k_full, v, self.scale, self.kernel, segment_ids)
+        # the rope key is one head shared by all: attend adds q_rope . k_rope to the nope scores
+        out = attend(q_nope, k_nope, v, self.scale, self.kernel, segment_ids, q_rope, k_rope[:, :, 0])
         return self.o_proj(out.reshape(b, s, h * vd))
 
 

@@ -51,7 +51,8 @@ def _varying_zeros(shape, dtype, *like):
 # Rows per matmul: an expert's blocks are processed in runs of ``RUN_ROWS // block_size`` blocks
 # while they fit, then at most one run each of half, a quarter, ... of that for what is left of
 # the group. Small matmuls run well below a large one's GFLOP/s on XLA:CPU, so runs are as long as
-# the typical expert group allows (the A/B behind this size: docs/MEASUREMENTS.md).
+# the typical expert group allows (the A/B behind this size:
+# docs/history/MEASUREMENTS-2026-12.md, "Moved from code comments: blocked path").
 RUN_ROWS = 512
 
 

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config.schema import ModelConfig, MoEConfig
+from jaxmoe.model import fp8
 from jaxmoe.model.blocked import blocked_path, blocked_swiglu_rows
-from jaxmoe.model.grouped_gemm import grouped_matmul
+from jaxmoe.model.grouped_gemm import concrete_kernel, grouped_matmul
 from jaxmoe.model.params import ExpertLinear, builds, normal, stack_axes
 from jaxmoe.model.slots import capacity, combine, expert_counts, slot_positions
 
@@ -49,10 +50,19 @@ from jaxmoe.model.slots import capacity, combine, expert_counts, slot_positions
 # ---------------------------------------------------------------------------------------------
 
 
-def _batched_swiglu(xe: jax.Array, weights: dict) -> jax.Array:
-    """SwiGLU on ``[E, C, D]`` slots with stacked weights; returns ``[E, C, D]`` in ``xe.dtype``."""
+def _batched_swiglu(xe: jax.Array, weights: dict, valid: jax.Array | None = None) -> jax.Array:
+    """SwiGLU on ``[E, C, D]`` slots with stacked weights; returns ``[E, C, D]`` in ``xe.dtype``.
+    Under ``compute.fp8`` each projection is :func:`jaxmoe.model.fp8.fp8_grouped_matmul` with
+    per-expert scales over the ``valid [E, C]`` slots only (filled slots; the rest never reach an amax)."""
     dt = xe.dtype
     f32 = jnp.float32
+    recipe = fp8.current()
+    if recipe != "none":
+        def mm(a, w):
+            return fp8.fp8_grouped_matmul(a, w, recipe, valid)
+
+        h = (jax.nn.silu(mm(xe, weights["gate_proj"])) * mm(xe, weights["up_proj"])).astype(dt)
+        return mm(h, weights["down_proj"]).astype(dt)
     g = jnp.einsum("ecd,edi->eci", xe, weights["gate_proj"].astype(dt), preferred_element_type=f32)
     u = jnp.einsum("ecd,edi->eci", xe, weights["up_proj"].astype(dt), preferred_element_type=f32)
     h = (jax.nn.silu(g) * u).astype(dt)
@@ -71,7 +81,8 @@ def _dense_path(x, topk_idx, topk_weights, weights, moe_cfg):
     dispatch = jnp.einsum("tke,tkc->tec", oh_e, oh_c)
     comb = jnp.einsum("tk,tke,tkc->tec", topk_weights.astype(jnp.float32), oh_e, oh_c)
     xe = jnp.einsum("tec,td->ecd", dispatch.astype(x.dtype), x)
-    ye = _batched_swiglu(xe, weights)
+    filled = jnp.einsum("tec->ec", dispatch) > 0  # slots holding a token (fp8 scales see only these)
+    ye = _batched_swiglu(xe, weights, filled)
     y = jnp.einsum("tec,ecd->td", comb, ye.astype(jnp.float32))
     dropped = jnp.sum(~keep).astype(jnp.int32)
     return y.astype(x.dtype), dropped
@@ -84,10 +95,11 @@ def _dense_path(x, topk_idx, topk_weights, weights, moe_cfg):
 
 
 def ragged_swiglu(x_sorted, group_sizes, weights, kernel="xla"):
-    """SwiGLU of expert-grouped rows by grouped matmuls (``moe.ragged_kernel``: xla or mosaic_gpu)."""
+    """SwiGLU of expert-grouped rows by grouped matmuls (``moe.ragged_kernel``: xla, mosaic_gpu, tokamax)."""
     dt = x_sorted.dtype
     f32 = jnp.float32
     wg, wu, wd = weights["gate_proj"], weights["up_proj"], weights["down_proj"]
+    kernel = concrete_kernel(kernel)
     if kernel == "xla":  # gate and up as two dots (the parity suites' numbers are of this form)
         g, u = (grouped_matmul(x_sorted, w, group_sizes, kernel) for w in (wg, wu))
     else:  # gate and up side by side: one grouped GEMM of twice the width

@@ -18,23 +18,35 @@ stacked weights ``rhs [G, K, N]``.
     CUDA and checked against ``xla`` through reference kernels with the same contract on CPU
     (tests/test_grouped_gemm.py); not yet run on a GPU by this project -- ``bench/gpu.sh``'s
     ``*/ragged_mgpu`` variants run it and compare it with ``xla`` on the device.
+``tokamax``
+    ``tokamax.ragged_dot`` (the ``[gpu]`` extra: Python >= 3.12, jax >= 0.11), the same API as
+    ``lax.ragged_dot``, for the forward and, through tokamax's own VJP, both gradients (dlhs,
+    drhs). On a GPU tokamax picks from its list (``mosaic`` on sm90/sm100, then ``triton``, then
+    ``xla``); elsewhere its ``xla`` implementation (:data:`TOKAMAX_IMPL` overrides the choice: the
+    CUDA lowering checks of ``bench/lane312.sh`` set ``mosaic_gpu``). Result in ``lhs.dtype``, as
+    ``mosaic_gpu``. Guarded here (:func:`tokamax_grouped_matmul`): the weight gradient of an empty
+    group is set to zero and the rows past the groups give zero output and zero input gradient
+    (tokamax issue #887 reports nonzero gradients for empty groups). Checked against ``xla`` on CPU
+    in the Python 3.12 lane (tests/test_tokamax.py); not yet run on a GPU by this project.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import typing
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.config.autoconf import tokamax_importable
 from jaxmoe.config.schema import MoEConfig
 from jaxmoe.errors import UserError
 
 # the choices the config declares (moe.ragged_kernel), implemented below
-KERNELS = typing.get_args(typing.get_type_hints(MoEConfig)["ragged_kernel"])
+KERNELS = tuple(k for k in typing.get_args(typing.get_type_hints(MoEConfig)["ragged_kernel"]) if k != "auto")
 _ROW_PAD = 128  # rows are zero-padded to a multiple of this (the kernels' largest row tile)
 _BLOCK_K = 64
 
@@ -174,20 +186,79 @@ def check_mosaic_gpu_device() -> None:
                         f"wgmma); {dev.device_kind} has {cc or 'unknown'} (use moe.ragged_kernel=xla)")
 
 
+# tokamax's implementation (None: its own fallback list); see the module doc
+TOKAMAX_IMPL: str | None = None
+
+
+@functools.cache
+def _tokamax():
+    try:
+        import tokamax
+    except ImportError as e:
+        py = ".".join(map(str, sys.version_info[:2]))
+        raise UserError(
+            f"moe.ragged_kernel='tokamax' needs the tokamax package (pip install 'jaxmoe[gpu]', which "
+            f"installs it on Python >= 3.12 with jax >= 0.11); this is Python {py} with jax "
+            f"{jax.__version__} ({e}); use moe.ragged_kernel=xla or mosaic_gpu"
+        ) from None
+    return tokamax
+
+
+def _tokamax_dot(lhs, rhs, group_sizes):
+    impl = TOKAMAX_IMPL
+    if impl is None and jax.default_backend() != "gpu":
+        impl = "xla"
+    return _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype, implementation=impl)
+
+
+@jax.custom_vjp
+def tokamax_grouped_matmul(lhs, rhs, group_sizes):
+    """``out [M, N]`` in ``lhs.dtype`` by ``tokamax.ragged_dot``; zero rows past the groups."""
+    return _tk_fwd(lhs, rhs, group_sizes)[0]
+
+
+def _tk_fwd(lhs, rhs, group_sizes):
+    out, vjp = jax.vjp(lambda a, b: _tokamax_dot(a, b, group_sizes), lhs, rhs)
+    inside = _inside(lhs.shape[0], group_sizes)
+    return jnp.where(inside, out, jnp.zeros((), out.dtype)), (vjp, group_sizes, inside)
+
+
+def _tk_bwd(res, dout):
+    vjp, group_sizes, inside = res
+    d_lhs, d_rhs = vjp(jnp.where(inside, dout, 0).astype(dout.dtype))
+    # the guard for tokamax #887: an empty group's weights get no gradient, nor rows past the groups
+    d_rhs = jnp.where((group_sizes > 0)[:, None, None], d_rhs, jnp.zeros((), d_rhs.dtype))
+    return jnp.where(inside, d_lhs, jnp.zeros((), d_lhs.dtype)), d_rhs, None
+
+
+tokamax_grouped_matmul.defvjp(_tk_fwd, _tk_bwd)
+
+
+def concrete_kernel(kernel: str) -> str:
+    """``kernel``, with ``auto`` (a caller without a resolved config; the model resolves its own)
+    chosen by jaxmoe.config.autoconf's rule for this process's backend."""
+    if kernel != "auto":
+        return kernel
+    return "tokamax" if jax.default_backend() == "gpu" and tokamax_importable() else "xla"
+
+
 def grouped_matmul(lhs, rhs, group_sizes, kernel: str = "xla"):
     """``[M, K] x [G, K, N] -> [M, N]`` by ``kernel`` (module doc); ``rhs`` cast to ``lhs.dtype``.
 
-    ``xla`` returns fp32, ``mosaic_gpu`` ``lhs.dtype``; rows past ``sum(group_sizes)`` are 0."""
+    ``xla`` returns fp32, ``mosaic_gpu`` and ``tokamax`` ``lhs.dtype``; rows past ``sum(group_sizes)`` are 0."""
     gs = group_sizes.astype(jnp.int32)
     rhs = rhs.astype(lhs.dtype)
+    kernel = concrete_kernel(kernel)
     if kernel == "xla":
         out = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
         return jnp.where(_inside(lhs.shape[0], gs), out, 0)
     if kernel == "mosaic_gpu":
         check_mosaic_gpu_device()
         return kernel_grouped_matmul(MOSAIC_GPU, lhs, rhs, gs)
+    if kernel == "tokamax":
+        return tokamax_grouped_matmul(lhs, rhs, gs)
     raise ValueError(f"moe.ragged_kernel={kernel!r} is not one of: {', '.join(KERNELS)}")
 
 
-__all__ = ["KERNELS", "Kernels", "MOSAIC_GPU", "REFERENCE", "check_mosaic_gpu_device", "grouped_matmul",
-           "kernel_grouped_matmul"]
+__all__ = ["KERNELS", "Kernels", "MOSAIC_GPU", "REFERENCE", "TOKAMAX_IMPL", "check_mosaic_gpu_device",
+           "concrete_kernel", "grouped_matmul", "kernel_grouped_matmul", "tokamax_grouped_matmul"]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config.schema import ModelConfig
+from jaxmoe.model import fp8
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -32,6 +33,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` with ``w`` stored ``[in, out]``, computed in ``x.dtype`` (fp32 accumulation)."""
+    recipe = fp8.current()  # compute.fp8 (jaxmoe.model.fp8): quantised operands, fp32 product
+    if recipe != "none":
+        return fp8.fp8_matmul(x, w, recipe).astype(x.dtype)
     y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 

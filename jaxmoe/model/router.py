@@ -2,13 +2,16 @@
 
 Semantics (docs/LAYOUT.md "Routing semantics"):
 
-* ``softmax`` (Mixtral/Qwen3): ``p = softmax(logits)``; top-k on ``p``; weights ``p[idx]``,
-  divided by their sum if ``norm_topk_prob``; times ``route_scale``.
-* ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(logits)``; selection score ``s + bias``; with
+* scores: ``softmax(logits)`` (Mixtral/Qwen3) or ``sigmoid(logits)`` (DeepSeek-V3).
+* selection score: ``scores + bias`` when ``use_expert_bias``, for either score function
+  (DeepSeek-V3's aux-loss-free rule; torchtitan applies its ``expert_bias_E`` the same way to
+  softmax and sigmoid scores, and its qwen3 / deepseek_v3 flavors enable it by default). With
   ``n_groups > 1`` a group's score is the sum of its top-2 selection scores, the best
-  ``topk_groups`` groups are kept and the others masked to -inf; top-k on the selection scores;
-  weights ``s[idx]`` (bias never enters the weights), divided by ``sum + 1e-20`` if
-  ``norm_topk_prob``; times ``route_scale``.
+  ``topk_groups`` groups are kept and the others masked to -inf; top-k on the selection scores.
+* weights: the *unbiased* ``scores[idx]`` (the bias never enters the weights), divided by their
+  sum if ``norm_topk_prob`` (``sum + 1e-20`` for sigmoid, as DeepSeek-V3; softmax sums are at
+  least ``k / E``, far above that epsilon, so HF's plain sum and torchtitan's ``+ 1e-20`` agree
+  bit for bit in fp32); times ``route_scale``.
 * Ties go to the lower index: ``jax.lax.top_k`` documents "If two elements are equal, the
   lower-index element appears first" (tests/test_router.py checks it), for experts and groups.
 * ``forced_idx`` (parity replay) replaces the selected indices; weights come from the scores at
@@ -76,12 +79,8 @@ def route(
     logits = jnp.dot(
         x.astype(jnp.float32), w_router.astype(jnp.float32), preferred_element_type=jnp.float32
     )
-    if c.score_func == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-        sel_bias = None
-    else:
-        scores = jax.nn.sigmoid(logits)
-        sel_bias = bias if c.use_expert_bias else None
+    scores = jax.nn.softmax(logits, axis=-1) if c.score_func == "softmax" else jax.nn.sigmoid(logits)
+    sel_bias = bias if c.use_expert_bias else None
     if forced_idx is None:
         idx = select_experts(jax.lax.stop_gradient(scores), sel_bias, c)
     else:

@@ -43,10 +43,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import Config
 from jaxmoe.config.autoconf import resolve_auto
+from jaxmoe.model import fp8
 from jaxmoe.model.attention import make_attention
 from jaxmoe.model.layers import rope_tables
 from jaxmoe.model.mlp import SwiGLU
 from jaxmoe.model.moe import MoEBlock, no_routing
+from jaxmoe.model.mtp import MTPFusion, run_mtp
 from jaxmoe.model.params import Buffer, Decl, Embedding, Linear, RMSNorm, builds, declarations, normal, ones, stack_axes
 from jaxmoe.model.router import RouterOut
 from jaxmoe.trees import unflatten
@@ -111,6 +113,24 @@ class MoELayer(DecoderLayer, MoEBlock):
 
     def ffn(self, h, forced_idx=None):
         return MoEBlock.__call__(self, h, forced_idx=forced_idx)
+
+
+class MTPMoELayer(MoELayer, MTPFusion):
+    """A multi-token-prediction depth whose block is an MoE layer (:mod:`jaxmoe.model.mtp`)."""
+
+    @builds
+    def __init__(self, cfg: Config, *, stack: tuple = (), rngs: nnx.Rngs, dispatch: Callable | None = None):
+        MoELayer.__init__(self, cfg, stack=stack, rngs=rngs, dispatch=dispatch)
+        self._init_mtp(cfg, stack)
+
+
+class MTPDenseLayer(DenseLayer, MTPFusion):
+    """A multi-token-prediction depth whose block is a dense layer (a model without MoE layers)."""
+
+    @builds
+    def __init__(self, cfg: Config, *, stack: tuple = (), rngs: nnx.Rngs):
+        DenseLayer.__init__(self, cfg, stack=stack, rngs=rngs)
+        self._init_mtp(cfg, stack)
 
 
 # remat="offload": the per-layer residuals kept for the backward, all in pinned host memory.
@@ -182,11 +202,15 @@ class Transformer(nnx.Module):
             self.dense = DenseLayer(cfg, stack=(m.first_k_dense,), rngs=rngs)
         if m.n_moe_layers > 0:
             self.moe = MoELayer(cfg, stack=(m.n_moe_layers,), rngs=rngs, dispatch=dispatch)
+        if m.mtp_layers > 0:  # multi-token prediction depths (jaxmoe.model.mtp)
+            self.mtp = (MTPMoELayer(cfg, stack=(m.mtp_layers,), rngs=rngs, dispatch=dispatch) if m.n_moe_layers > 0
+                        else MTPDenseLayer(cfg, stack=(m.mtp_layers,), rngs=rngs))
         self.final_norm = RMSNorm.declare((m.d_model,), ("norm",), ones(), eps=m.rms_norm_eps)
         if not m.tie_embeddings:
             self.lm_head = Linear.declare((m.d_model, m.vocab_size), ("embed", "vocab"),
                                           normal(m.init_std), group="head")
 
+    @fp8.scoped  # compute.fp8: the recipe the covered matmuls trace under (jaxmoe.model.fp8)
     def __call__(self, tokens: jax.Array, *, forced_idx: jax.Array | None = None,
                  return_probes: bool = False, return_hidden: bool = False,
                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None):
@@ -223,6 +247,10 @@ class Transformer(nnx.Module):
                 probes["moe_out"] = ys["ffn_out"]
         else:
             routing = no_routing(t, e)
+        mtp = None
+        if m.mtp_layers > 0:  # h_0 = the last main layer's output before the final norm
+            mtp = run_mtp(self.mtp, self.embed.get_value(), tokens, x, cos, sin, segment_ids,
+                          wrap=lambda f: _remat(f, cfg.compute.remat))
         x = self.final_norm(x)
         if return_hidden:  # the loss applies the LM head itself (chunked cross-entropy)
             logits = x
@@ -236,6 +264,10 @@ class Transformer(nnx.Module):
             "counts": routing["counts"],
             "dropped": routing["dropped"],
         }
+        if mtp is not None:  # per-depth hidden states [N, B, S, D] (or logits), the MTP routing
+            aux["mtp_hidden" if return_hidden else "mtp_logits"] = mtp[0] if return_hidden else self.logits(mtp[0])
+            if mtp[1] is not None:
+                aux["mtp_routing"] = mtp[1]
         if return_probes:
             probes["attn_out"] = jnp.concatenate(attn_outs, axis=0)
             probes["router_logits"] = routing["logits"]
@@ -245,6 +277,10 @@ class Transformer(nnx.Module):
             probes["logits"] = logits
             aux["probes"] = probes
         return logits, aux
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The shared LM head on hidden states ``[..., S, D]`` -> fp32 logits ``[..., S, V]``."""
+        return jnp.einsum("...sd,dv->...sv", x, self.head(), preferred_element_type=jnp.float32)
 
     def head(self) -> jax.Array:
         """The LM head as ``[D, V]`` in the compute dtype (the tied embedding transposed):
@@ -381,6 +417,8 @@ def LAYER_STACKS(cfg: Config) -> list[tuple[str, int, int]]:  # noqa: N802 (a ta
         out.append(("dense", 0, m.first_k_dense))
     if m.n_moe_layers > 0:
         out.append(("moe", m.first_k_dense, m.n_moe_layers))
+    if m.mtp_layers > 0:  # HF stores the MTP depths as layers L .. L + N - 1
+        out.append(("mtp", m.n_layers, m.mtp_layers))
     return out
 
 

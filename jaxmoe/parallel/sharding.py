@@ -26,7 +26,7 @@ How sharding is decided, in three steps (the mesh itself and placement: :mod:`ja
    dense dims runnable; the layout that shards them is the factored one (``mesh.expert_axes =
    "fsdp,expert"``: experts whole over fsdp x expert, dense weights FSDP over fsdp), and
    ``jaxmoe plan`` reports the replicated share and whether experts stay whole (the europa-952b
-   figures: docs/MEASUREMENTS.md).
+   figures: docs/MEASUREMENTS.md, "Planner: europa-952b").
 
 Optimizer state is sharded like the parameter it belongs to: every optax leaf whose key path ends
 in a parameter path and whose shape equals that parameter's gets the parameter's sharding; other

@@ -141,4 +141,135 @@ def optimizer_update_collectives(cfg, mesh, specs=None) -> dict:
     return out
 
 
-__all__ = ["COLLECTIVES", "count_collectives", "optimizer_update_collectives", "total"]
+# --------------------------------------------------------------------------------------------
+# Bytes per mesh axis and step (``jaxmoe plan --lower``: ``comm_bytes_per_step``)
+# --------------------------------------------------------------------------------------------
+
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_CALLEE = re.compile(r"\b(body|condition|calls|to_apply)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_IOTA = re.compile(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def _iota(dims: list[int], perm: list[int] | None):
+    import numpy as np
+
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def replica_groups(line: str) -> list[list[int]] | None:
+    """The device groups of one collective's HLO line (explicit ``{{0,1},{2,3}}``, iota
+    ``[G,S]<=[dims]T(perm)``, XLA's mesh form ``mesh['a'=2,...], device_ids=(...) {'a'}``, or a
+    collective-permute's ``source_target_pairs``); ``None`` when the line names none (one group of
+    every device). The ids are the module's logical device ids: positions in the mesh, flattened."""
+    m = re.search(r"source_target_pairs=\{((?:\{[0-9,]+\},?)*)\}", line)
+    if m:  # a permute: each pair is a group of two
+        return [_ints(g) for g in re.findall(r"\{([0-9,]+)\}", m.group(1))]
+    m = _MESH_GROUPS.search(line)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = (_iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None).reshape(sizes)
+               if m.group(2) else _iota(sizes, None))
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        size = math.prod(sizes[i] for i in grouped)
+        return ids.transpose(rest + grouped).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=(\S+)", line)
+    if not m:
+        return None
+    text = m.group(1)
+    it = _IOTA.match(text)
+    if it:
+        shape = _ints(it.group(1))
+        return _iota(_ints(it.group(2)), _ints(it.group(3)) if it.group(3) else None).reshape(shape).tolist()
+    groups = [_ints(g) for g in re.findall(r"\{([0-9,]+)\}", text)]
+    return groups or None
+
+
+def axes_of_groups(groups, mesh_shape: dict) -> str:
+    """The mesh axes a collective's groups span: the axes (of ``mesh_shape``, in its order) along
+    which the members of a group differ, joined by ``+`` (``"fsdp"``, ``"expert+fsdp"``); every
+    axis of size > 1 when ``groups`` is None; ``"none"`` for groups of one device."""
+    import numpy as np
+
+    names, sizes = list(mesh_shape), [int(v) for v in mesh_shape.values()]
+    if groups is None:
+        return "+".join(a for a, n in zip(names, sizes) if n > 1) or "none"
+    spans = set()
+    for g in groups:
+        coords = np.array(np.unravel_index(np.asarray(g, dtype=np.int64), sizes)).T
+        spans.update(i for i in range(len(names)) if len(set(coords[:, i])) > 1)
+    return "+".join(names[i] for i in sorted(spans)) or "none"
+
+
+def computation_multiplicity(hlo_text: str) -> dict[str, int]:
+    """How many times each computation of a compiled module runs per call of its entry: a while
+    body its known trip count times its caller's count, any other callee its caller's count."""
+    comps, edges, entry, cur = [], {}, None, None
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m and not line.startswith(" "):
+            cur = m.group(1)
+            comps.append(cur)
+            edges[cur] = []
+            entry = cur if line.startswith("ENTRY") else entry
+            continue
+        if cur is None:
+            continue
+        trip = _TRIP.search(line)
+        for kind, callee in _CALLEE.findall(line):
+            edges[cur].append((callee, int(trip.group(1)) if (kind == "body" and trip) else 1))
+        for names in _BRANCHES.findall(line):
+            edges[cur].extend((n.strip().lstrip("%"), 1) for n in names.split(",") if n.strip())
+    mult = dict.fromkeys(comps, 0)
+    if entry is not None:
+        mult[entry] = 1
+    for c in reversed(comps):  # callers are printed after their callees
+        for callee, k in edges[c]:
+            if callee in mult:
+                mult[callee] += mult[c] * k
+    return mult
+
+
+def comm_bytes_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
+    """``{axes: {op: {"count", "bytes"}}}``: every collective of a compiled module, by the mesh
+    axes its groups span (:func:`axes_of_groups`), bytes per device as :func:`count_collectives`
+    counts them, times the number of times its computation runs per step (loop trip counts)."""
+    mult = computation_multiplicity(hlo_text)
+    shapes: dict[str, int] = {}
+    out: dict = {}
+    cur = None
+    for line in hlo_text.splitlines():
+        c = _COMP.match(line)
+        if c and not line.startswith(" "):
+            cur = c.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op, args = m.groups()
+        sizes = _bytes(shape)
+        shapes[name] = sum(sizes)
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        if base not in COLLECTIVES:
+            continue
+        result = max(sizes, default=0) if base != op else sum(sizes)
+        nbytes = max(result, sum(shapes.get(o, 0) for o in _operands(args)))
+        k = mult.get(cur, 1)
+        rec = out.setdefault(axes_of_groups(replica_groups(line), mesh_shape), {}).setdefault(
+            base, {"count": 0, "bytes": 0})
+        rec["count"] += k
+        rec["bytes"] += nbytes * k
+    return out
+
+
+__all__ = ["COLLECTIVES", "axes_of_groups", "comm_bytes_by_axis", "computation_multiplicity",
+           "count_collectives", "optimizer_update_collectives", "replica_groups", "total"]

@@ -238,13 +238,41 @@ def optimizer_update_collectives(cfg: Config) -> dict:
     return out
 
 
+def comm_per_step(cfg: Config) -> dict:
+    """``comm_bytes_per_step`` (``{axes: bytes}``, per device) and ``comm_collectives`` (``{axes:
+    {op: {"count", "bytes"}}}``) of the real train step compiled (SPMD-partitioned) by this
+    process's backend on the config's mesh (:func:`compile_on_local_devices`), each collective
+    under the mesh axes its replica groups span (``"expert+fsdp"`` for a group over both) and
+    counted as often as it runs per step (scan trip counts). Needs as many local devices as the
+    mesh has (fake CPU devices do: ``XLA_FLAGS=--xla_force_host_platform_device_count=N``);
+    otherwise both are None and ``comm_note`` says why. The dispatcher and kernels are this
+    backend's (``auto`` resolves for it), which a GPU run may choose differently."""
+    from jaxmoe.plan.hlo_stats import comm_bytes_by_axis
+
+    sizes = _sizes(cfg)
+    n = math.prod(sizes.values())
+    if jax.device_count() < n:
+        return {"comm_bytes_per_step": None, "comm_collectives": None,
+                "comm_note": f"not counted: the mesh has {n} devices and this process {jax.device_count()} "
+                             f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})"}
+    by_axis = comm_bytes_by_axis(compile_on_local_devices(resolve_auto(cfg, jax.default_backend())).as_text(), sizes)
+    return {"comm_bytes_per_step": {a: sum(r["bytes"] for r in ops.values()) for a, ops in by_axis.items()
+                                    if a != "none"},  # groups of one device move nothing
+            "comm_collectives": by_axis,
+            "comm_note": f"bytes per device per step (each op's larger of operand and result), from the train "
+                         f"step compiled by XLA:{jax.default_backend().upper()} on {n} devices, loop trip "
+                         "counts applied; keys: the mesh axes each collective's groups span"}
+
+
 def lower_report(cfg: Config) -> dict:
     out = lower_train_step(cfg)
     out["optimizer_update_collectives"] = optimizer_update_collectives(cfg)
+    out.update(comm_per_step(cfg))
     return out
 
 
-__all__ = ["compile_on_local_devices", "compiled_memory", "count_collectives", "lower_abstract", "lower_report",
+__all__ = ["comm_per_step", "compile_on_local_devices", "compiled_memory", "count_collectives", "lower_abstract",
+           "lower_report",
            "lower_train_step", "optimizer_update_collectives", "reduced_config"]
 
 

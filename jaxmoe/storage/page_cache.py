@@ -140,7 +140,7 @@ class WriteBehind:
     def __init__(self, fd: int, depth: int = 1):
         self.fd = fd
         self.depth = depth  # pieces left in writeback before the oldest is waited for (3: no
-        # faster in orbax -> hf, docs/MEASUREMENTS.md)
+        # faster in orbax -> hf, docs/history/MEASUREMENTS-2026-12.md, "Conversion: the page cache")
         self._pending: list[tuple[int, int]] = []
 
     def wrote(self, offset: int, nbytes: int) -> None:

@@ -38,12 +38,13 @@ from jaxmoe.data import make_data
 from jaxmoe.errors import UserError
 from jaxmoe.model.transformer import Model, abstract_params, declared_groups, init_fn
 from jaxmoe.train import compile_cache
-from jaxmoe.train.checkpoint_policy import CheckpointPolicy
+from jaxmoe.train.checkpoint_policy import CheckpointPolicy, local_tier, restore_newest
 from jaxmoe.train.evaluate import Evaluator
 from jaxmoe.train.metrics import MetricsSink, log
 from jaxmoe.train.optim import build_optimizer
 from jaxmoe.train.preempt import EXIT_PREEMPTED, Preemption
 from jaxmoe.train.prefetch import Prefetcher
+from jaxmoe.train.profile_window import ProfileWindow
 from jaxmoe.train.step import init_state, make_train_step, opt_init_fn, state_shardings
 
 EXIT_STOPPED = 3  # train.max_bad_steps non-finite steps in a row
@@ -101,16 +102,19 @@ class Trainer:
         params, buffers = abstract_params(cfg)
         abstract = jax.eval_shape(lambda p, b: init_state(cfg, tx, p, b), params, buffers)
         shardings = self._shardings(abstract)
-        if self.resume and ckpt.all_steps():
+        local = self.local = local_tier(cfg, self.out)  # the emergency tier, or None
+        if self.resume and (ckpt.all_steps() or (local is not None and local.all_steps())):
             target = abstract if shardings is None else jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
             if self.resume_step is not None:
-                state, meta = ckpt.restore(target, step=self.resume_step)
+                found = ckpt.restore(target, step=self.resume_step) + (self.resume_step,)
             else:
-                state, meta, step, skipped = ckpt.restore_newest_good(target, log=log)
-                if skipped:
-                    log(f"resuming from checkpoint {step}, the newest that restores")
-            return state, int(meta["step"]), meta.get("data")
+                found = restore_newest(ckpt, local, target, log)  # local or persistent: the newest
+            if found is not None:
+                state, meta, _ = found
+                if local is not None:
+                    local.drop_after(int(meta["step"]))
+                return state, int(meta["step"]), meta.get("data")
         if self.resume_from is not None:  # a torchtitan checkpoint's state (jaxmoe.train.titan_resume)
             return self.resume_from.initial_state(cfg, tx, shardings)
         if self.resume:
@@ -225,9 +229,11 @@ class Trainer:
         cfg, rd = self.cfg, self.rd
         model = Model(cfg) if self.mesh_ctx is None else self.mesh_ctx.model()
         prefetch = Prefetcher(data, self._place_batch, depth=2 if cfg.train.async_loop else 0)
-        policy = CheckpointPolicy(cfg, ckpt, self.stop_after)
+        policy = CheckpointPolicy(cfg, ckpt, self.stop_after, local=self.local)
         evaluator = Evaluator(cfg, model, self._place_batch)
         sink = MetricsSink(cfg, rd.path, start=start, primary=rd.primary, quiet=self.quiet)
+        self.profile = ProfileWindow(cfg.train.profile_steps, cfg.train.steps, rd.path, start=start,
+                                     primary=rd.primary, quiet=self.quiet)
         try:
             batch = prefetch.next()
             step_fn, sink.compile_s, _ = self._compile(make_train_step(model, tx), state, batch)
@@ -245,6 +251,7 @@ class Trainer:
             status = {EXIT_STOPPED: "stopped", EXIT_PREEMPTED: "preempted"}.get(exit_code, "finished")
             rd.write_record(status=status, last_step=start + len(sink.losses))
         finally:
+            self.profile.stop()  # a run stopped inside the window (else already stopped)
             prefetch.close()
             evaluator.close()
             sink.close()
@@ -259,8 +266,11 @@ class Trainer:
         pending = None  # (step, metrics on device, row extras): written one step late
         sink.start_clock()
         while step < self.stop_after:
+            self.profile.before(step + 1)  # train.profile_steps (jaxmoe.train.profile_window)
             state, m = step_fn(state, batch)  # dispatched: runs while the host does the rest
             step += 1
+            self.profile.after(step, state)
+            sink.pause(self.profile.take_overhead())
             cur = (step, m, {"data_tokens": prefetch.position["tokens"]})
             if pending is not None:  # the previous step's metrics, fetched while this one runs
                 stopped, pending = self._finish(sink, pending), None

@@ -13,6 +13,11 @@ Computed from the model's outputs -- the logits and the routing record ``aux`` t
   balance is instead transformers' Mixtral/Qwen3 form (:func:`pooled_load_balance_loss`): all MoE
   layers pooled before one product, attention padding excluded (:func:`padding_mask`).
 * ``update_expert_bias``: aux-loss-free sign rule, mean-centred.
+* ``mtp_cross_entropy``: the multi-token-prediction loss (DeepSeek-V3 sec. 2.2,
+  :mod:`jaxmoe.model.mtp`): depth ``k``'s CE on the targets shifted left by ``k`` (token
+  ``i + k + 1``; positions past the row or across a packed document masked), each summed over
+  its valid tokens and divided by the *main* valid-token count, then averaged over the depths:
+  ``total += train.mtp_loss_coef * mtp_ce`` (torchtitan 0.3's ``MTPLoss`` reduction).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from jaxmoe.model.mtp import shifted
 
 
 def cross_entropy(logits, targets, mask, n_valid=None):
@@ -247,9 +254,37 @@ def router_losses(cfg, router: dict, batch: int, seq: int, pad_mask=None) -> dic
     return {"lb": lb, "seq_aux": sa.sum(), "router_z": rz.sum()}
 
 
-def weigh_terms(cfg, ce, z, rl: dict):
+def mtp_targets(batch: dict, k: int):
+    """``(targets, mask)`` of MTP depth ``k``: ``batch``'s shifted left by ``k``, the mask 0 where
+    the shifted position is past the row (or, with ``segment_ids``, in another document)."""
+    seg = batch.get("segment_ids")
+    tgt, valid = shifted(batch["targets"], k, seg)
+    m, _ = shifted(batch["mask"], k, seg)
+    return tgt, jnp.where(valid, m, 0)
+
+
+def mtp_cross_entropy(cfg, aux: dict, batch: dict, n_valid=None, head=None, chunk_tokens: int = 0):
+    """``mtp_ce``: the mean over depths of each depth's CE sum / the main valid count (module doc),
+    from ``aux["mtp_logits"] [N, B, S, V]`` or, with ``head``, ``aux["mtp_hidden"] [N, B, S, D]``
+    (chunked with the head, as the main CE). None when the model has no MTP depths."""
+    n_depths = cfg.model.mtp_layers
+    if n_depths == 0:
+        return None
+    n = batch["mask"].astype(jnp.float32).sum() if n_valid is None else n_valid
+    total = jnp.zeros((), jnp.float32)
+    for k in range(1, n_depths + 1):
+        tgt, mask = mtp_targets(batch, k)
+        if head is None:
+            total = total + cross_entropy(aux["mtp_logits"][k - 1], tgt, mask, n)[0]
+        else:
+            total = total + chunked_cross_entropy(aux["mtp_hidden"][k - 1], head, tgt, mask, n, chunk_tokens)[0]
+    return total / n_depths
+
+
+def weigh_terms(cfg, ce, z, rl: dict, mtp=None):
     """``total = ce + z_loss_coef*z + lb_coef*lb + seq_aux_coef*seq_aux + router_z_coef*router_z``
-    and the metrics ``{"loss", "ce", "z_loss", "lb", "seq_aux", "router_z"}`` (unweighted terms)."""
+    (``+ mtp_loss_coef * mtp`` with MTP depths) and the metrics ``{"loss", "ce", "z_loss", "lb",
+    "seq_aux", "router_z"}`` (unweighted terms; ``mtp_ce`` with MTP depths)."""
     m = cfg.moe
     total = (
         ce
@@ -260,6 +295,9 @@ def weigh_terms(cfg, ce, z, rl: dict):
     )
     metrics = {"loss": total, "ce": ce, "z_loss": z, "lb": rl["lb"], "seq_aux": rl["seq_aux"],
                "router_z": rl["router_z"]}
+    if mtp is not None:
+        total = total + cfg.train.mtp_loss_coef * mtp
+        metrics.update(loss=total, mtp_ce=mtp)
     return total, metrics
 
 
@@ -270,4 +308,4 @@ def compute_loss(cfg, logits, aux, batch, n_valid=None):
     ce, z = cross_entropy(logits, batch["targets"], batch["mask"], n_valid)
     b, s = batch["targets"].shape
     rl = router_losses(cfg, aux["router"], b, s, padding_mask(batch))
-    return weigh_terms(cfg, ce, z, rl)
+    return weigh_terms(cfg, ce, z, rl, mtp_cross_entropy(cfg, aux, batch, n_valid))

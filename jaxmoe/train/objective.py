@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxmoe.config import Config
 from jaxmoe.model.transformer import Model
-from jaxmoe.train.losses import chunked_cross_entropy, compute_loss, router_losses, weigh_terms
+from jaxmoe.train.losses import chunked_cross_entropy, compute_loss, mtp_cross_entropy, router_losses, weigh_terms
 
 
 def model_loss(model: Model, params, buffers, batch, *, n_valid=None):
@@ -39,7 +39,8 @@ def model_loss(model: Model, params, buffers, batch, *, n_valid=None):
         b, s = batch["targets"].shape
         # ce := tok_loss - zc * z (z without gradient): ce in value (up to rounding), carrying the
         # gradient of ce + zc * z, which is how weigh_terms and make_grad_fn combine the two
-        total, metrics = weigh_terms(cfg, tok_loss - zc * z, z, router_losses(cfg, aux["router"], b, s))
+        mtp = mtp_cross_entropy(cfg, aux, batch, n_valid, head, cfg.compute.ce_chunk_tokens)
+        total, metrics = weigh_terms(cfg, tok_loss - zc * z, z, router_losses(cfg, aux["router"], b, s), mtp)
         return total, (metrics, aux)
     logits, aux = model(params, buffers, batch["inputs"], forced_idx=forced_idx, **pk)
     total, metrics = compute_loss(cfg, logits, aux, batch, n_valid)
@@ -118,7 +119,9 @@ def make_grad_fn(model: Model):
 
     def micro_objective(params, buffers, mb, n_valid):
         total, (metrics, aux) = model_loss(model, params, buffers, mb, n_valid=n_valid)
-        token_part = metrics["ce"] + zc * metrics["z_loss"]
+        token_part = metrics["ce"] + zc * metrics["z_loss"]  # global sums: not / n_micro
+        if "mtp_ce" in metrics:
+            token_part = token_part + cfg.train.mtp_loss_coef * metrics["mtp_ce"]
         objective = token_part + (total - token_part) / n_micro
         return objective, (metrics, aux)
 
@@ -159,7 +162,7 @@ def make_grad_fn(model: Model):
 
         metrics = {}
         for k, v in msum.items():  # CE / z-loss are global sums already; the rest are means
-            metrics[k] = v if k in ("ce", "z_loss", "objective", "dropped", "assignments") else v / n_micro
+            metrics[k] = v if k in ("ce", "z_loss", "mtp_ce", "objective", "dropped", "assignments") else v / n_micro
         metrics["loss"] = metrics["objective"]
         metrics["n_valid"] = n_valid
         if "dropped" in metrics:

@@ -2,7 +2,10 @@
 
 Writes ``OUT/plots/loss.png`` (train loss and CE, eval CE when present, aux losses on a second
 panel) and ``OUT/plots/expert_load.png`` (per MoE layer, a heatmap of each expert's share of the
-assignments over steps, plus the max/mean load curve). Matplotlib with the Agg backend: no screen.
+assignments over steps, plus the max/mean load curve) and ``OUT/plots/expert_heatmap.png`` (layer x
+expert: each expert's share of its layer's assignments over the whole run, experts that never
+received a token marked; beside it the max/mean load of each layer over steps). Matplotlib with
+the Agg backend: no screen.
 """
 
 from __future__ import annotations
@@ -98,7 +101,45 @@ def plot_run(run_dir: Path) -> list[Path]:
         fig.savefig(p, dpi=100)
         plt.close(fig)
         written.append(p)
+        written.append(plot_heatmap(plt, out / "expert_heatmap.png", run_dir.name, steps, c, load))
     return written
+
+
+def plot_heatmap(plt, path: Path, name: str, steps: list, counts, load) -> Path:
+    """Layer x expert share of the run's assignments (``counts [steps, Lm, E]``), dead experts
+    crossed, and the max/mean load per layer over steps (``load [steps, Lm]``)."""
+    import numpy as np
+
+    total = counts.sum(0)  # [Lm, E]
+    share = total / np.maximum(total.sum(-1, keepdims=True), 1)
+    n_layers, n_exp = share.shape
+    fig, axes = plt.subplots(1, 2, figsize=(13, max(3.0, 0.45 * n_layers + 2)),
+                             gridspec_kw={"width_ratios": [max(n_exp, 8) / 8, 1.2]})
+    ax = axes[0]
+    im = ax.imshow(share, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
+                   extent=(-0.5, n_exp - 0.5, -0.5, n_layers - 0.5))
+    dead = np.argwhere(total == 0)
+    if len(dead):
+        ax.scatter(dead[:, 1], dead[:, 0], marker="x", color="red", s=30, label="no tokens")
+        ax.legend(loc="upper right", fontsize=7)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(n_layers))
+    ax.set_title(f"{name}: share of assignments, steps {steps[0]}-{steps[-1]} (uniform = {1 / n_exp:.3f})")
+    fig.colorbar(im, ax=ax, label="share of the layer's assignments")
+    ax = axes[1]
+    for layer in range(n_layers):
+        ax.plot(steps, load[:, layer], label=f"layer {layer}")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean expert load")
+    ax.set_title("imbalance over time")
+    ax.legend(ncol=2 if n_layers > 6 else 1, fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

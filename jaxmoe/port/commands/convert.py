@@ -196,7 +196,8 @@ def _copy_leaves(pool: ThreadPoolExecutor, sink, gathered: list, behind: dict) -
     (:meth:`~jaxmoe.port.formats.base.Sink.raw_written`, in the leaves' order). Returns the
     bytes copied. In place order, ``hf -> torch`` reads and writes its files in one pass
     instead of one strided pass per expert leaf (an HF file interleaves gate / up / down per
-    expert); the A/B that measured it: docs/MEASUREMENTS.md, "Conversion"."""
+    expert); the A/B that measured it: docs/history/MEASUREMENTS-2026-12.md,
+    "Conversion: byte copies in destination order"."""
     tagged = sorted(((str(b.file), b.offset, i), (a, b)) for i, (_, pairs) in enumerate(gathered)
                     for a, b in pairs)
     jobs = [p for _, p in tagged]
@@ -212,7 +213,7 @@ def _copy_leaves(pool: ThreadPoolExecutor, sink, gathered: list, behind: dict) -
 def _joined(pairs: list, most: int = COPY_BLOCK) -> list:
     """``pairs`` with neighbours that follow each other in both files joined into one copy of
     up to ``most`` bytes (fewer, longer requests; each of the two copy threads still has work;
-    measured in docs/MEASUREMENTS.md, "Conversion")."""
+    measured in docs/MEASUREMENTS.md, "Conversion at disk speed")."""
     out: list = []
     for a, b in pairs:
         if out:

@@ -126,7 +126,7 @@ class DcpSource(Source):
         for name in biases:
             if name not in self.dir.tensors or np.any(self.dir.read(name).astype(np.float32) != 0):
                 raise UserError(f"{ep}: tensor {name} is non-zero but --titan {spec} has no expert "
-                                "bias (jaxmoe's aux-loss-free bias is sigmoid-only)")
+                                "bias (set moe.use_expert_bias=true)")
         if biases:
             self.notices.append(f"note: {ep}: {len(biases)} all-zero {EXPERT_BIAS} tensors skipped "
                                 "(the config has no expert bias)")

@@ -4,7 +4,8 @@
 ``model.safetensors.index.json``, under the hub tensor names of the config's architecture (see
 :mod:`jaxmoe.port.maps.hf_map`), in either HF expert layout (per expert or fused, detected per layer on
 reading, ``--hf-layout`` on writing). FP8 weights (``weight_scale_inv``) are dequantised on
-reading; multi-token-prediction layers are skipped with a note.
+reading; multi-token-prediction layers (``model.layers.{L..}``) are read into ``mtp/*`` when
+``model.mtp_layers`` covers them, else refused in one line.
 
 The machinery for HF-named tensors in safetensors files (:class:`HfTensorSource`,
 :class:`HfTensorSink`) is shared with the ``torch:`` format (:mod:`jaxmoe.port.formats.torch`),
@@ -68,6 +69,7 @@ class HfTensorSource(Source):
         self.notices: list[str] = []
         self.fp8_block = (128, 128)
         self.cfg, self.reader = self._open()
+        self.notices += [n for n in [hf_map.without_absent_mtp(self.cfg, self.reader.names())] if n]
         # each layer's expert layout (per-expert or fused) is read off its tensor names
         self.table, self.layouts = hf_map.detect_entries(self.cfg, self.reader)
         self.groups = hf_map.leaf_entries(self.cfg, self.table)
@@ -100,13 +102,16 @@ class HfTensorSource(Source):
             if name in expected or name.endswith(hf_map.IGNORED_SUFFIXES):
                 continue
             layer = hf_map.hf_layer_index(name)
-            if layer is not None and layer >= cfg.model.n_layers:
+            if layer is not None and layer >= cfg.model.n_layers + cfg.model.mtp_layers:
                 mtp[layer] = mtp.get(layer, 0) + 1
                 continue
             if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in expected:
                 continue  # consumed by FP8 dequantisation
             extra.append(f"unexpected tensor {name} {shape_text(r.shape(name))}: {what} has no "
                          "such weight")
+        mismatch = hf_map.mtp_mismatch(cfg, [p.split()[2] for p in missing], mtp)
+        if mismatch:  # nothing is dropped silently: the config must hold every MTP depth
+            raise UserError(f"{self.ep}: {mismatch}")
         problems = shaped + missing + extra
         for ent in self.table:
             if ent.key == hf_map.ZERO and ent.hf_name in r and not problems:
@@ -116,10 +121,6 @@ class HfTensorSource(Source):
         if problems:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise UserError(f"{self.ep}: {problems[0]}{more}")
-        if mtp:
-            layers = ", ".join(f"model.layers.{i}.*" for i in sorted(mtp))
-            self.notices.append(f"note: skipping {layers} ({sum(mtp.values())} tensors): "
-                                "multi-token-prediction layers are not part of jaxmoe")
 
     raw_names = "hf"
 

@@ -3,7 +3,7 @@
 A ``dcp:`` checkpoint stores each tensor as what ``torch.save`` writes (DCP's
 ``FileSystemWriter`` saves every tensor item that way, and ``torch.load`` reads it back). Calling
 ``torch.save`` per tensor pushed every byte through torch's zip writer and a Python file object
-(the ``hf -> dcp`` route's bottleneck: docs/MEASUREMENTS.md, "Conversion at disk speed"), and a
+(the ``hf -> dcp`` route's bottleneck: docs/history/MEASUREMENTS-2026-12.md, "Conversion at disk speed"), and a
 tensor's bytes could never be copied into place file to file. :class:`TensorZip` lays out the
 same zip for a C-contiguous tensor of a given dtype and shape: :attr:`TensorZip.head` (every
 record before the storage bytes, and the storage record's own header), then the storage bytes

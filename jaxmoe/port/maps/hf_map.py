@@ -67,11 +67,12 @@ class Entry:
         return s[:-2] + (s[-1], s[-2]) if self.transpose else s
 
 
-def check_supported(cfg: Config) -> None:
-    """Raise UserError if ``cfg`` cannot be expressed in its HF architecture's layout."""
+def check_supported(cfg: Config, allow: frozenset = frozenset()) -> None:
+    """Raise UserError if ``cfg`` cannot be expressed in its HF architecture's layout (features in
+    ``allow`` aside)."""
     try:
         arch = get_arch(cfg.model.hf_arch)
-        problems = arch.problems(cfg)
+        problems = arch.problems(cfg, allow)
     except ValueError as e:
         raise UserError(str(e)) from None
     if problems:
@@ -79,11 +80,15 @@ def check_supported(cfg: Config) -> None:
         raise UserError(f"model.hf_arch={arch.name!r} cannot express {problems[0]}{more}")
 
 
-def entries(cfg: Config, layout: str = "per-expert") -> list[Entry]:
-    """Every HF tensor of ``cfg`` in hub order (embed, layers 0.., norm, lm_head)."""
+def entries(cfg: Config, layout: str = "per-expert", *, any_bias: bool = False) -> list[Entry]:
+    """Every HF tensor of ``cfg`` in hub order (embed, layers 0.., norm, lm_head).
+
+    ``any_bias``: an expert bias the architecture cannot store (torchtitan's bias on softmax
+    scores, on a Qwen3/Mixtral layout) is named ``{moe}.gate.e_score_correction_bias`` instead of
+    refused -- torch_ref's buffer name, for the in-memory exchange with torch_ref; never a file."""
     from jaxmoe.model.transformer import LAYER_STACKS, model_declarations
 
-    check_supported(cfg)
+    check_supported(cfg, frozenset({"expert_bias"}) if any_bias else frozenset())
     if layout not in LAYOUTS:
         raise UserError(f"HF expert layout {layout!r} is not one of: {', '.join(LAYOUTS)}")
     arch = get_arch(cfg.model.hf_arch)
@@ -110,7 +115,7 @@ def entries(cfg: Config, layout: str = "per-expert") -> list[Entry]:
             for name in names:  # hub order
                 d = sub.get(name)
                 if d is None:
-                    if name == "expert_bias" and stack == "moe" and arch.bias_tensor:
+                    if name == "expert_bias" and "router" in sub and arch.bias_tensor:
                         e = cfg.moe.n_experts
                         out.append(Entry(pre + names[name], ZERO, (row,), False, (e,)))
                     continue
@@ -246,6 +251,36 @@ def leaf_entries(cfg: Config, table: list[Entry] | None = None) -> dict[str, lis
     return groups
 
 
+def without_absent_mtp(cfg: Config, names) -> str | None:
+    """A config whose ``model.mtp_layers > 0`` read from a checkpoint holding no tensor of any MTP
+    layer (transformers' DeepseekV3 writes ``num_nextn_predict_layers = 1`` but builds no MTP
+    layer): set ``mtp_layers = 0`` in place and return the note saying so; else None."""
+    n = cfg.model.n_layers
+    if cfg.model.mtp_layers == 0 or any((hf_layer_index(x) or 0) >= n for x in names):
+        return None
+    was, cfg.model.mtp_layers = cfg.model.mtp_layers, 0
+    return (f"note: the config says {was} multi-token-prediction layers (num_nextn_predict_layers) but "
+            "the checkpoint holds none: reading it with model.mtp_layers=0")
+
+
+def mtp_mismatch(cfg: Config, missing: list[str], beyond: dict[int, int]) -> str | None:
+    """The one line for a checkpoint whose multi-token-prediction layers do not match
+    ``model.mtp_layers``: ``beyond`` = {HF layer past the config's MTP depths: tensor count},
+    ``missing`` = the expected tensor names the checkpoint lacks. None when they match."""
+    n_main, n_mtp = cfg.model.n_layers, cfg.model.mtp_layers
+    if beyond:
+        layers = ", ".join(f"model.layers.{i}.*" for i in sorted(beyond))
+        return (f"the checkpoint has multi-token-prediction layers {layers} ({sum(beyond.values())} "
+                f"tensors) but model.mtp_layers={n_mtp}: set model.mtp_layers={max(beyond) - n_main + 1} "
+                "(config.json num_nextn_predict_layers)")
+    absent = sorted({hf_layer_index(n) for n in missing} - {None})
+    if n_mtp and absent and absent[0] >= n_main:  # only MTP layers missing: say how many exist
+        have = absent[0] - n_main
+        return (f"model.mtp_layers={n_mtp} but the checkpoint has {have} multi-token-prediction "
+                f"layers: set model.mtp_layers={have}")
+    return None
+
+
 def hf_layer_index(name: str) -> int | None:
     """``model.layers.{i}.…`` -> i, else None."""
     m = _LAYER_RE.match(name)
@@ -253,4 +288,5 @@ def hf_layer_index(name: str) -> int | None:
 
 
 __all__ = ["ZERO", "Entry", "IGNORED_SUFFIXES", "check_supported", "detect_entries", "entries", "fp32_leaves",
-           "flatten", "hf_layer_index", "leaf_entries", "leaf_shapes", "tensors", "unflatten"]
+           "flatten", "hf_layer_index", "leaf_entries", "mtp_mismatch", "without_absent_mtp", "leaf_shapes",
+           "tensors", "unflatten"]

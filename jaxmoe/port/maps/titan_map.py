@@ -150,6 +150,11 @@ def titan_entries(cfg: Config, split_qkv: bool = False) -> list[TitanEntry]:
     where a GQA layer's fused ``wqkv`` is three tensors ``wq`` / ``wk`` / ``wv`` -- the rows
     :meth:`TitanEntry.rows` picks, in that order (torchtitan ``FusedQKVLinear._split_qkv_on_save``)."""
     m = cfg.model
+    if m.mtp_layers > 0:  # never drop the MTP depths silently (their torchtitan names: issue 39 d)
+        from jaxmoe.errors import UserError
+
+        raise UserError(f"model.mtp_layers={m.mtp_layers}: the torchtitan (dcp:) name map has no "
+                        "multi-token-prediction layers yet; use hf:, orbax: or torch:")
     out = [TitanEntry(GLOBAL_NAMES["embed"], "params/embed", (), False, (m.vocab_size, m.d_model))]
     stacks = ([("dense", 0, m.first_k_dense)] if m.first_k_dense else []) + \
         ([("moe", m.first_k_dense, m.n_moe_layers)] if m.n_moe_layers else [])

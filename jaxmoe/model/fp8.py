@@ -1,0 +1,181 @@
+"""FP8 matmuls (``compute.fp8``): quantise-dequantise with current (just-in-time) scaling to e4m3.
+
+Every operand of every GEMM of a covered matmul -- forward ``y = x @ w``, input gradient
+``dx = g @ w^T``, weight gradient ``dw = x^T @ g`` -- is quantised to ``float8_e4m3fn`` (max 448)
+with scales computed from the operand itself at that moment (no amax history), then dequantised, and
+the product is taken in fp32 (``preferred_element_type=float32``: fp32 accumulation). On CPU this
+*simulates* an FP8 GEMM: the values are exactly the e4m3 grid times the scale, the arithmetic is
+fp32. On GPU the same graph (``convert(f8) -> multiply(scale) -> dot``) is the pattern XLA's GEMM
+rewriter can fuse into a cuBLASLt FP8 GEMM for one scale per operand (tensorwise); per-row / per-tile
+scales are not fused by XLA in jax 0.10 and stay a dequantise + fp32 dot (issue 40 item 4 is open).
+
+Recipes (the scale of an operand is ``448 / amax`` over its scaling group, the operand is
+``clip(x * scale, -448, 448)`` rounded to e4m3 (round to nearest even) and dequantised as
+``q * (1 / scale)``; an all-zero group gets scale 1, never NaN; amax is clamped below at 1e-12 as torchao does):
+
+* ``tensorwise`` -- torchao's ``Float8LinearRecipeName.TENSORWISE``: one scale per tensor (per
+  expert for stacked expert weights and per expert's rows for expert activations), exact
+  ``448 / amax`` (torchao's default ``round_scales_to_power_of_2=False``), e4m3 for inputs,
+  weights and grad_output (torchao's default recipe: e4m3 for all, no e5m2).
+* ``rowwise`` -- torchao's ``ROWWISE``: one scale per row of the operand along the GEMM's
+  contraction axis (forward: per token row of ``x``, per output column of ``w``; dgrad: per row of
+  ``g``, per input row of ``w``; wgrad: per feature column of ``x`` and of ``g``, over tokens),
+  scales rounded down to a power of two, e4m3 for all three GEMMs.
+* ``blockwise`` -- DeepSeek-V3 (arXiv 2412.19437 section 3.3): activations and gradients in 1x128
+  tiles along the contraction axis (so 128x1 over tokens in the weight gradient), weights in
+  128x128 blocks (the same blocks serve the forward and the transposed dgrad), exact ``448 / amax``,
+  e4m3 for all, fp32 accumulation. A dimension below 128 is one tile.
+
+Valid rows (MaxText #4971): an expert buffer's rows past an expert's count (capacity or padding
+tails) may hold anything. ``valid [M]`` masks them: they are zeroed *before* any amax and before the
+matmul (so their garbage -- inf, NaN, 1e30 -- reaches neither a scale nor a product nor a weight
+gradient), and their gradient rows are zero.
+
+The router, norms, embeddings and the LM head never come here (``jaxmoe.model.router`` and
+``transformer.Transformer.__call__`` use their own fp32 / compute-dtype einsums). torchtitan 0.3.0's
+float8 converter converts every Linear by default (``filter_fqns=[]``, dims divisible by 16), but its
+float8 configs filter them: ``["lm_head"]`` (llama3), ``["lm_head", "router.gate"]`` (deepseek_v3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import jax
+import jax.numpy as jnp
+
+RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
+E4M3_MAX = 448.0
+BLOCK = 128  # DeepSeek-V3's tile / block edge
+AMAX_EPS = 1e-12  # torchao's EPS: amax is clamped to at least this before 448 / amax
+
+# per recipe: power-of-two scales?
+_POW2 = {"tensorwise": False, "rowwise": True, "blockwise": False}
+
+
+# The recipe in force while a model traces its forward (set by ``Transformer.__call__`` from
+# ``compute.fp8`` through :func:`scoped`; read by ``layers.linear`` and the expert paths). The
+# backward never reads it: the recipe is a static argument of the custom VJP.
+_RECIPE = contextvars.ContextVar("jaxmoe_fp8", default="none")
+
+
+def current() -> str:
+    """The fp8 recipe of the forward being traced ("none" outside a model call)."""
+    return _RECIPE.get()
+
+
+@contextlib.contextmanager
+def using(recipe: str):
+    """Trace the enclosed model code under ``recipe``."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown fp8 recipe {recipe!r}; one of {RECIPES}")
+    token = _RECIPE.set(recipe)
+    try:
+        yield
+    finally:
+        _RECIPE.reset(token)
+
+
+def scoped(method):
+    """Decorator for a model's ``__call__(self, ...)``: run it under ``self.cfg.compute.fp8``."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with using(self.cfg.compute.fp8):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def tile_shape(recipe: str, shape: tuple[int, int], contract: int, weight: bool) -> tuple[int, int]:
+    """The scaling group of a 2-D operand of ``shape`` whose GEMM contracts axis ``contract``."""
+    r, c = shape
+    if recipe == "tensorwise":
+        return r, c
+    if recipe == "rowwise":
+        return (1, c) if contract == 1 else (r, 1)
+    if recipe == "blockwise":
+        if weight:
+            return min(BLOCK, r), min(BLOCK, c)
+        return (1, min(BLOCK, c)) if contract == 1 else (min(BLOCK, r), 1)
+    raise ValueError(f"unknown fp8 recipe {recipe!r}; one of {RECIPES}")
+
+
+def scales(amax: jax.Array, recipe: str) -> jax.Array:
+    """``448 / amax`` (fp32), 1 where ``amax == 0``; a power of two (rounded down) for rowwise."""
+    amax = amax.astype(jnp.float32)
+    s = jnp.where(amax > 0, E4M3_MAX / jnp.maximum(amax, AMAX_EPS), 1.0)
+    if _POW2[recipe]:
+        s = jnp.exp2(jnp.floor(jnp.log2(s)))
+    return s
+
+
+def group_amax(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+    """``max |x|`` over each ``tile`` of the 2-D ``x``, broadcast back to ``x.shape`` (zero-padded
+    to whole tiles, which cannot raise an amax)."""
+    r, c = x.shape
+    tr, tc = tile
+    pr, pc = -r % tr, -c % tc
+    a = jnp.pad(jnp.abs(x), ((0, pr), (0, pc)))
+    m = a.reshape((r + pr) // tr, tr, (c + pc) // tc, tc).max(axis=(1, 3))
+    return jnp.repeat(jnp.repeat(m, tr, axis=0), tc, axis=1)[:r, :c]
+
+
+def fake_quant(x: jax.Array, recipe: str, contract: int, weight: bool = False, valid=None) -> jax.Array:
+    """``x`` (2-D) quantised to e4m3 with ``recipe``'s scales for a GEMM contracting axis
+    ``contract``, dequantised to fp32. ``valid [rows]``: rows outside it become 0 first."""
+    x = x.astype(jnp.float32)
+    if valid is not None:
+        x = jnp.where(valid[:, None], x, 0.0)
+    s = scales(group_amax(x, tile_shape(recipe, x.shape, contract, weight)), recipe)
+    q = jnp.clip(x * s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q.astype(jnp.float32) * (1.0 / s)  # times the inverse scale (torch_ref.fp8 computes the same)
+
+
+def _mm(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_matmul(x, w, recipe, valid):
+    return _mm(fake_quant(x, recipe, 1, valid=valid), fake_quant(w, recipe, 0, weight=True))
+
+
+def _fwd(x, w, recipe, valid):
+    return _fp8_matmul(x, w, recipe, valid), (x, w, valid)
+
+
+def _bwd(recipe, res, g):
+    x, w, valid = res
+    g = g.astype(jnp.float32)
+    if valid is not None:
+        g = jnp.where(valid[:, None], g, 0.0)
+    dx = _mm(fake_quant(g, recipe, 1), fake_quant(w.T, recipe, 0, weight=True))  # dgrad
+    dw = _mm(fake_quant(x, recipe, 0, valid=valid).T, fake_quant(g, recipe, 0))  # wgrad, over tokens
+    if valid is not None:
+        dx = jnp.where(valid[:, None], dx, 0.0)
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_fp8_matmul.defvjp(_fwd, _bwd)
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str, valid: jax.Array | None = None) -> jax.Array:
+    """``x [..., K] @ w [K, N]`` under ``recipe`` (see the module doc), fp32 result ``[..., N]``;
+    ``valid`` (shape ``x.shape[:-1]``, bool) marks the rows that count."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    v = None if valid is None else valid.reshape(-1)
+    return _fp8_matmul(x2, w, recipe, v).reshape(*lead, w.shape[-1])
+
+
+def fp8_grouped_matmul(x: jax.Array, w: jax.Array, recipe: str, valid: jax.Array) -> jax.Array:
+    """Per group ``e``: ``x[e] [C, K] @ w[e] [K, N]`` with the group's own scales (tensorwise: one
+    scale per expert's valid rows and one per expert's weight); ``valid [E, C]``. fp32 ``[E, C, N]``."""
+    return jax.vmap(lambda xe, we, ve: _fp8_matmul(xe, we, recipe, ve))(x, w, valid)
+
+
+__all__ = ["AMAX_EPS", "BLOCK", "E4M3_MAX", "RECIPES", "current", "fake_quant", "fp8_grouped_matmul", "fp8_matmul",
+           "group_amax", "scales", "scoped", "tile_shape", "using"]
