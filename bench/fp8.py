@@ -5,8 +5,8 @@
                         [--set SECTION.KEY=VALUE ...] [--json PATH]
 
 Every run trains the same preset from the same seed on the same batches (the embedded default corpus:
-the Python standard library's source, byte-level tokens) with ``compute.dtype=bfloat16`` and
-``moe.compute_path=dense`` (the expert path FP8 covers today); the fp8
+the Python standard library's source, byte-level tokens) with ``compute.dtype=bfloat16`` on the
+preset's expert path (under fp8 every path's grouped matmuls are ``lax.ragged_dot``); the fp8
 runs add ``compute.fp8=RECIPE`` (e4m3 operands with current scaling for every matmul of the
 attention projections, dense MLPs, shared and routed experts; fp32 master weights; see
 ``jaxmoe/model/fp8.py``). On CPU the FP8 GEMM is simulated (quantise, dequantise, fp32 matmul), so the
@@ -40,10 +40,7 @@ def train(preset: str, overrides: list[str], recipe: str, steps: int) -> dict:
     from jaxmoe.config import load_config
     from jaxmoe.train.loop import Trainer
 
-    # moe.compute_path=dense: the one expert path compute.fp8 covers today (config/load.py _check_fp8);
-    # the bf16 run takes it too, so both sides differ in the recipe only. --set overrides it.
-    sets = ["compute.dtype=bfloat16", f"compute.fp8={recipe}", f"train.steps={steps}", "train.eval_every=0",
-            "moe.compute_path=dense"] + overrides
+    sets = ["compute.dtype=bfloat16", f"compute.fp8={recipe}", f"train.steps={steps}", "train.eval_every=0"] + overrides
     cfg = load_config(preset=preset, overrides=sets)
     tokens = cfg.train.batch_size * cfg.train.seq_len
     with tempfile.TemporaryDirectory() as d:
@@ -75,7 +72,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--recipes", default=",".join(RECIPES))
+    # "none" may be named too: a second bf16 run, which must give a rel diff of exactly 0 (determinism)
+    p.add_argument("--recipes", default=",".join(r for r in RECIPES if r != "none"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
     a = p.parse_args(argv)

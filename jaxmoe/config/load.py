@@ -272,12 +272,14 @@ def validate(cfg: Config) -> Config:
 
 
 def _check_fp8(cfg: Config) -> None:
-    """compute.fp8 covers the dense layers everywhere and the routed experts on moe.compute_path=dense
-    only (blocked / ragged / mesh dispatch: not yet, issue 40)."""
+    """compute.fp8 covers every expert path; its grouped matmuls are ``lax.ragged_dot`` on the
+    quantised operands (jaxmoe/model/fp8.py), so an explicitly chosen grouped-GEMM kernel would be
+    silently unused: refused. Mesh conditions: jaxmoe.parallel.expert_dispatch.check_fp8."""
     c, e = cfg.compute, cfg.moe
-    if c.fp8 != "none" and cfg.model.n_moe_layers > 0 and e.compute_path != "dense":
-        raise ConfigError(f"compute.fp8={c.fp8!r} covers routed experts on moe.compute_path='dense' only "
-                          f"(not {e.compute_path!r}); set moe.compute_path=dense or compute.fp8=none")
+    if c.fp8 != "none" and cfg.model.n_moe_layers > 0 and e.ragged_kernel in ("mosaic_gpu", "tokamax"):
+        raise ConfigError(f"compute.fp8={c.fp8!r} runs the routed experts' grouped matmuls as lax.ragged_dot, "
+                          f"not moe.ragged_kernel={e.ragged_kernel!r}; set moe.ragged_kernel=auto (or xla) "
+                          "or compute.fp8=none")
 
 
 def _check_fields(cfg: Config) -> None:

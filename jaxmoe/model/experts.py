@@ -58,11 +58,8 @@ def _batched_swiglu(xe: jax.Array, weights: dict, valid: jax.Array | None = None
     f32 = jnp.float32
     recipe = fp8.current()
     if recipe != "none":
-        def mm(a, w):
-            return fp8.fp8_grouped_matmul(a, w, recipe, valid)
-
-        h = (jax.nn.silu(mm(xe, weights["gate_proj"])) * mm(xe, weights["up_proj"])).astype(dt)
-        return mm(h, weights["down_proj"]).astype(dt)
+        return fp8.swiglu(xe, weights["gate_proj"], weights["up_proj"], weights["down_proj"],
+                          lambda a, w: fp8.fp8_grouped_matmul(a, w, recipe, valid))
     g = jnp.einsum("ecd,edi->eci", xe, weights["gate_proj"].astype(dt), preferred_element_type=f32)
     u = jnp.einsum("ecd,edi->eci", xe, weights["up_proj"].astype(dt), preferred_element_type=f32)
     h = (jax.nn.silu(g) * u).astype(dt)
@@ -115,14 +112,23 @@ def _ragged_path(x, topk_idx, topk_weights, weights, moe_cfg):
 
 
 def _blocked_tokens(x, topk_idx, topk_weights, weights, moe_cfg):
+    if fp8.current() != "none":  # the blocked loops' hand-written backward has no fp8 form: rows by sort
+        return _sorted_path(x, topk_idx, topk_weights, weights, moe_cfg, "blocked"), jnp.zeros((), jnp.int32)
     return blocked_path(x, topk_idx, topk_weights, weights, moe_cfg), jnp.zeros((), jnp.int32)
 
 
+# Under compute.fp8 both grouped forms are fp8.ragged_swiglu (lax.ragged_dot on quantised operands,
+# per-expert scales over the valid rows only), whatever moe.block_size / moe.ragged_kernel say
+# (config/load.py refuses an explicit mosaic_gpu / tokamax kernel with fp8).
 def _blocked_rows(x_sorted, group_sizes, weights, moe_cfg):
+    if (recipe := fp8.current()) != "none":
+        return fp8.ragged_swiglu(x_sorted, group_sizes, weights, recipe)
     return blocked_swiglu_rows(x_sorted, group_sizes, weights, moe_cfg.block_size)
 
 
 def _ragged_rows(x_sorted, group_sizes, weights, moe_cfg):
+    if (recipe := fp8.current()) != "none":
+        return fp8.ragged_swiglu(x_sorted, group_sizes, weights, recipe)
     return ragged_swiglu(x_sorted, group_sizes, weights, moe_cfg.ragged_kernel)
 
 
@@ -175,15 +181,21 @@ def grouped_swiglu(x_sorted, group_sizes, weights, *, path, moe_cfg):
 
 
 def _sorted_path(x, topk_idx, topk_weights, weights, moe_cfg, path):
-    """ragged: stable sort of the T*k assignments by expert, grouped SwiGLU, unsort, combine."""
+    """ragged: stable sort of the T*k assignments by expert, grouped SwiGLU, unsort, combine.
+
+    Under compute.fp8 the assignments are taken in (choice rank, token) order, the order of the
+    dense path's slots (:func:`slot_positions`), so blockwise's 128-token tiles of the weight
+    gradient hold the same rows on every path."""
     t, k = topk_idx.shape
-    flat_e = topk_idx.reshape(-1)  # assignment a = t * k + j
+    rank_major = fp8.current() != "none"
+    flat_e = (topk_idx.T if rank_major else topk_idx).reshape(-1)  # a = j * T + t, else t * k + j
     order = jnp.argsort(flat_e, stable=True)
     inverse = jnp.argsort(order)
-    x_sorted = x[order // k]
+    x_sorted = x[order % t] if rank_major else x[order // k]
     group_sizes = expert_counts(topk_idx, moe_cfg.n_experts)
     y_sorted = grouped_swiglu(x_sorted, group_sizes, weights, path=path, moe_cfg=moe_cfg)
-    y_assign = y_sorted[inverse].reshape(t, k, -1)
+    y_assign = y_sorted[inverse]
+    y_assign = y_assign.reshape(k, t, -1).transpose(1, 0, 2) if rank_major else y_assign.reshape(t, k, -1)
     return combine(y_assign, topk_weights).astype(x.dtype)
 
 

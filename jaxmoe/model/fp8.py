@@ -177,5 +177,95 @@ def fp8_grouped_matmul(x: jax.Array, w: jax.Array, recipe: str, valid: jax.Array
     return jax.vmap(lambda xe, we, ve: _fp8_matmul(xe, we, recipe, ve))(x, w, valid)
 
 
+def _row_groups(group_sizes: jax.Array, n_rows: int) -> tuple[jax.Array, jax.Array]:
+    """Rows sorted by expert (group ``e`` = ``group_sizes[e]`` contiguous rows, groups in order):
+    each row's group (``E`` for rows past the groups: padding) and its rank inside its group."""
+    e = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    r = jnp.arange(n_rows, dtype=ends.dtype)
+    seg = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+    starts = ends - group_sizes
+    return seg, r - jnp.where(seg < e, starts[jnp.minimum(seg, e - 1)], 0)
+
+
+def grouped_fake_quant(x: jax.Array, group_sizes: jax.Array, recipe: str, contract: int) -> jax.Array:
+    """Activation rows ``x [N, K]`` sorted by expert, quantised as :func:`fake_quant` quantises each
+    expert's rows alone (what the dense path does on its ``[E, C, K]`` slots): tensorwise one scale
+    per expert; rowwise / blockwise along K (``contract == 1``) per row / per 1x128 tile; over the
+    tokens (``contract == 0``, the weight gradient's operands) per feature column over the expert's
+    rows (rowwise) or over 128-row tiles counted from the expert's first row (blockwise). Rows past
+    ``sum(group_sizes)`` (padding, whatever they hold) become 0 before any amax."""
+    n, kdim = x.shape
+    e = group_sizes.shape[0]
+    seg, rank = _row_groups(group_sizes, n)
+    x = jnp.where((seg < e)[:, None], x.astype(jnp.float32), 0.0)
+    tr, tc = tile_shape(recipe, (n, kdim), contract, weight=False)
+    if tr == 1:  # per row: the groups do not matter
+        return fake_quant(x, recipe, contract)
+    if recipe == "blockwise":  # 128-row tiles inside each group, numbered over all groups
+        tiles_e = -(-group_sizes // BLOCK)
+        first_tile = jnp.cumsum(tiles_e) - tiles_e
+        row_seg = jnp.where(seg < e, first_tile[jnp.minimum(seg, e - 1)] + rank // BLOCK, n // BLOCK + e)
+        n_seg = n // BLOCK + e + 1
+    else:  # tensorwise, rowwise over tokens: the whole group
+        row_seg, n_seg = seg, e + 1
+    pc = -kdim % tc
+    a = jnp.pad(jnp.abs(x), ((0, 0), (0, pc))).reshape(n, (kdim + pc) // tc, tc).max(axis=-1)
+    amax = jax.ops.segment_max(a, row_seg, num_segments=n_seg)[row_seg]  # [N, column tiles]
+    s = scales(jnp.repeat(amax, tc, axis=1)[:, :kdim], recipe)
+    q = jnp.clip(x * s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q.astype(jnp.float32) * (1.0 / s)
+
+
+def _expert_weights_q(w: jax.Array, recipe: str) -> jax.Array:
+    """Stacked expert weights ``[E, K, N]``, each expert's quantised on its own (weight tiles)."""
+    return jax.vmap(lambda we: fake_quant(we, recipe, 0, weight=True))(w)
+
+
+def _ragged(a, w, group_sizes):
+    return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: str) -> jax.Array:
+    """Per expert ``e``: its rows of ``x [N, K]`` (sorted by expert, ``group_sizes [E]``) times
+    ``w[e] [K, N_out]``, fp32 ``[N, N_out]`` (0 on padding rows), every operand of the three GEMMs
+    quantised with :func:`grouped_fake_quant` / per-expert weight scales: the ragged form of
+    :func:`fp8_grouped_matmul`, equal to it on the same rows. The GEMMs are ``lax.ragged_dot``."""
+    return _ragged(grouped_fake_quant(x, group_sizes, recipe, 1), _expert_weights_q(w, recipe), group_sizes)
+
+
+def _ragged_fwd(x, w, group_sizes, recipe):
+    return fp8_ragged_matmul(x, w, group_sizes, recipe), (x, w, group_sizes)
+
+
+def _ragged_bwd(recipe, res, g):
+    x, w, gs = res
+    g = g.astype(jnp.float32)  # grouped_fake_quant zeroes its padding rows
+    dx = _ragged(grouped_fake_quant(g, gs, recipe, 1), _expert_weights_q(jnp.swapaxes(w, 1, 2), recipe), gs)
+    xq, gq = grouped_fake_quant(x, gs, recipe, 0), grouped_fake_quant(g, gs, recipe, 0)
+    # wgrad per expert, xq_e^T @ gq_e: the transpose of ragged_dot in its right operand (linear)
+    dw = jax.linear_transpose(lambda ww: _ragged(xq, ww, gs), jnp.zeros(w.shape, jnp.float32))(gq)[0]
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+fp8_ragged_matmul.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def swiglu(x, wg, wu, wd, mm):
+    """The expert SwiGLU under fp8 for any matmul form ``mm(a, w)`` (fp32 out), in ``x.dtype``."""
+    dt = x.dtype
+    h = (jax.nn.silu(mm(x, wg)) * mm(x, wu)).astype(dt)
+    return mm(h, wd).astype(dt)
+
+
+def ragged_swiglu(x_sorted: jax.Array, group_sizes: jax.Array, weights: dict, recipe: str) -> jax.Array:
+    """SwiGLU of rows sorted by expert under ``recipe`` (:func:`fp8_ragged_matmul` per projection);
+    the rows form of every expert path under fp8 (blocked and ragged alike, and under a mesh)."""
+    return swiglu(x_sorted, weights["gate_proj"], weights["up_proj"], weights["down_proj"],
+                  lambda a, w: fp8_ragged_matmul(a, w, group_sizes, recipe))
+
+
 __all__ = ["AMAX_EPS", "BLOCK", "E4M3_MAX", "RECIPES", "current", "fake_quant", "fp8_grouped_matmul", "fp8_matmul",
-           "group_amax", "scales", "scoped", "tile_shape", "using"]
+           "fp8_ragged_matmul", "group_amax", "grouped_fake_quant", "ragged_swiglu", "scales", "scoped", "swiglu",
+           "tile_shape", "using"]

@@ -161,6 +161,27 @@ def check_chunks(tokens: int, chunks: int) -> None:
         )
 
 
+def check_fp8(recipe: str, mesh_shape: dict[str, int], ep: tuple[str, ...], chunks: int) -> None:
+    """``compute.fp8`` under a mesh: its per-expert scales (jaxmoe/model/fp8.py) equal one device's
+    only when an expert's owner computes every row of that expert at once, so the batch may be
+    split over the expert-parallel axes only, the expert FFN not over ``tensor``, the tokens not
+    into dispatch chunks; and ``blockwise``'s 128-token wgrad tiles follow the order rows arrive
+    in, which is not one device's (choice rank, token) order. A UserError naming the key if not."""
+    if recipe == "none":
+        return
+    outside = [f"{a}={mesh_shape[a]}" for a in mesh_axes("batch") if a not in ep and mesh_shape.get(a, 1) > 1]
+    tensor = [f"{a}={mesh_shape[a]}" for a in mesh_axes("expert_mlp") if mesh_shape.get(a, 1) > 1]
+    why = (f"the batch is split over {', '.join(outside)} outside the expert axes {'*'.join(ep)}" if outside
+           else f"the expert FFN is split over {', '.join(tensor)}" if tensor
+           else f"mesh.dispatch_chunks={chunks} cuts an expert's rows into chunks" if chunks > 1
+           else "blockwise's 128-token tiles would follow the order rows arrive in" if recipe == "blockwise"
+           else None)
+    if why:
+        raise UserError(f"compute.fp8={recipe!r} under this mesh would scale each expert's rows per shard "
+                        f"({why}); use a mesh whose batch axes are all expert-parallel (mesh.expert_axes), "
+                        "tensor=1, mesh.dispatch_chunks=1 and tensorwise or rowwise, or compute.fp8=none")
+
+
 def receive_rows(kind: str, moe_cfg, n_x: int, tokens: int, capacity_factor: float) -> int:
     """Rows one device's expert FFN runs on for ``tokens`` of its tokens (one chunk), i.e. the
     size of the concrete dispatcher ``kind``'s receive buffer over ``n_x`` expert-parallel devices:
@@ -337,6 +358,7 @@ def make_dispatch(cfg, mesh, kind: str):
     check_dispatcher(kind, cfg.mesh.a2a_capacity_factor, concrete=True)
     chunk_fn = DISPATCHERS[kind]
     ep = expert_axes_of(getattr(cfg.mesh, "expert_axes", "expert"))
+    check_fp8(cfg.compute.fp8, dict(mesh.shape), ep, cfg.mesh.dispatch_chunks)
     # collectives run over the product of the expert-parallel axes (one name or a tuple of them;
     # device j of that product, major to minor in `ep` order, owns experts j*E_l ... (j+1)*E_l-1)
     ax = ep[0] if len(ep) == 1 else ep
@@ -395,5 +417,5 @@ def make_dispatch(cfg, mesh, kind: str):
     return dispatch
 
 
-__all__ = ["KINDS", "check_chunks", "check_dispatcher", "check_expert_split", "make_dispatch",
+__all__ = ["KINDS", "check_chunks", "check_dispatcher", "check_fp8", "check_expert_split", "make_dispatch",
            "ragged_all_to_all_emulated", "receive_rows", "resolve_dispatcher"]
