@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 LAST = 50  # the window of the "last-50 mean"
+TARGET = 0.0025  # DeepSeek-V3's figure: training loss within 0.25 % (relative) of BF16
 WARM = 5  # steps left out of the step time (compilation)
 
 
@@ -111,6 +112,12 @@ def main(argv=None) -> int:
               f"CPU step time {ratio} (simulated FP8: quantise, dequantise, fp32 matmul)")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
+    fp8_runs = {r: c for r, c in res["recipes"].items() if r != "none"}
+    met = [r for r, c in fp8_runs.items() if c["last50_rel_diff"] <= TARGET]
+    missed = [f"{r} {c['last50_rel_diff']:.2%}" for r, c in fp8_runs.items() if c["last50_rel_diff"] > TARGET]
+    print(f"target (DeepSeek-V3: last-{LAST} mean within {TARGET:.2%} of bf16): met by {', '.join(met) or 'none'}"
+          + (f"; not by {', '.join(missed)} (cause not established: docs/MEASUREMENTS.md, 'FP8 training quality')"
+             if missed else ""))
     for r, c in res["recipes"].items():
         print(f"fp8 {r} vs bf16: final-loss rel diff {c['final_rel_diff']:.2e} (last-{LAST} mean "
               f"{c['last50_rel_diff']:.2e})")

@@ -1,7 +1,7 @@
 """The parity command line: ``python -m parity run|selftest ...`` and ``jaxmoe parity ...``.
 
 ``run``: one comparison (``--preset``, ``--set``, ``--dtype``, ``--steps``, ``--optimizer``,
-``--seed``, ``--out``, ``--mesh``, ``--force-routing``, ``--profile``, ``--packed``) or the whole coverage
+``--seed``, ``--out``, ``--mesh``, ``--force-routing``, ``--profile``, ``--packed``, ``--fp8``) or the whole coverage
 matrix (``--all``, see :data:`MATRIX`), writing report.json / report.md / plots per run and, for
 ``--all``, summary.json plus a printed table. ``selftest``: fault injection
 (:mod:`parity.faults`). Exit status 0 when everything passed, 1 when a check failed, 2 for bad
@@ -97,6 +97,9 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
     r.add_argument("--titan-set", dest="titan_overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="edit every layer's torchtitan config before both sides are built, e.g. "
                         "--titan-set moe.router.score_func=sigmoid (repeatable)")
+    r.add_argument("--fp8", choices=("tensorwise", "rowwise", "blockwise"), default=None, metavar="RECIPE",
+                   help="FP8 training on both sides (compute.fp8=RECIPE: tensorwise, rowwise or blockwise; "
+                        "torch_ref mirrors each recipe) with that recipe's tolerance profile")
     r.add_argument("--init-scale", type=float, default=None, metavar="S",
                    help="multiply the init's weight matrices by S (default 8: logit std ~1.3, decisive "
                         "routing; 1 = the plain init)")
@@ -119,6 +122,8 @@ def add_args_parity(p: argparse.ArgumentParser) -> None:
 def _options(args, preset, overrides, extra, name=None):
     from parity.runner import RunOptions
 
+    if getattr(args, "fp8", None):
+        overrides = [*overrides, f"compute.fp8={args.fp8}"]
     kw = dict(preset=preset, overrides=list(overrides), dtype=args.dtype, steps=args.steps,
               optimizer=args.optimizer, seed=args.seed, mesh=args.mesh, force_routing=args.force_routing,
               profile=args.profile, name=name,

@@ -246,6 +246,9 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     if opts.mesh:
         _ensure_devices(mesh_devices(opts.mesh))
     cfg = build_config(opts)
+    if cfg.compute.fp8 != "none" and opts.reference != "torch_ref":
+        raise UserError(f"compute.fp8={cfg.compute.fp8!r} is mirrored by torch_ref only (transformers has no FP8 "
+                        f"recipe of its own); drop --reference {opts.reference} or the fp8 setting")
     n_steps = run_steps(opts, cfg) if with_steps else 0
     if opts.reference == "hf":
         from parity.hf_runner import run_hf_suite  # late: imports transformers
@@ -254,7 +257,7 @@ def run_suite(opts: RunOptions, *, fault=None, jax_cache: dict | None = None, wi
     if opts.reference != "torch_ref":
         raise UserError(f"--reference {opts.reference!r}: choose torch_ref, hf or torchtitan")
     tol = tolerances_for(cfg.compute.dtype, cfg.optim.optimizer, forced=opts.force_routing is not None,
-                         ns_dtype=cfg.optim.muon_ns_dtype)
+                         ns_dtype=cfg.optim.muon_ns_dtype, fp8=cfg.compute.fp8)
     setup_numerics()
 
     ctx = None

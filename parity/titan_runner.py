@@ -132,6 +132,9 @@ def run_titan_suite(opts, n_steps: int) -> dict:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     tcfg, cfg = titan_config(opts, n_steps)
+    if cfg.compute.fp8 != "none":  # this runner builds torchtitan without its float8 converter
+        raise UserError(f"--reference torchtitan with compute.fp8={cfg.compute.fp8!r}: FP8 parity runs "
+                        "against torch_ref (drop --reference torchtitan or the fp8 setting)")
     tol = tolerances_for(cfg.compute.dtype, cfg.optim.optimizer)
     setup_numerics()
     params, buffers = init_weights(cfg, opts.seed, opts.randomize_bias, opts.init_scale)

@@ -196,6 +196,77 @@ BFLOAT16_MUON = dataclasses.replace(BFLOAT16_ADAMW, name="bfloat16-muon")
 BFLOAT16_FORCED_MUON = dataclasses.replace(BFLOAT16_FORCED, name="bfloat16-forced-muon",
                                            step_param_rel_l2=FLOAT32_MUON_BF16NS.step_param_rel_l2)
 
+# FP8 (``--fp8 RECIPE``: compute.fp8 on both sides, fp32 compute otherwise). torch_ref/fp8.py
+# quantises bit-identically to jaxmoe/model/fp8.py on equal inputs (tests/test_fp8.py), so what is
+# left is XLA's and ATen's fp32 summation order -- and an operand that lands on the other side of
+# an FP8 rounding boundary because of it moves by one FP8 step (2^-3 relative for e4m3, of that
+# element). Such flips are rare (the two sides' inputs differ by an ulp; a boundary is 2^-4 wide)
+# but discrete, and they cascade: one flip in layer 0's attention of tiny-mla changes one token's
+# keys and values, causal attention carries it to every later position of that sequence, where
+# more operands flip. So the figures depend on where the first flip falls, not on a smooth noise
+# level as in bf16: from 2e-6 (rowwise, tiny: no flip before the loss) to 0.2 (tensorwise, tiny-mla:
+# a flip in layer 0) for the same code. Routing is identical at step 0. After one optimizer step
+# the parameters differ by those gradients (the first AdamW update ~ sign(g), so every small |g|
+# that differs flips sign: a figure, as in bf16), router scores by up to ~3e-2, and tokens whose
+# gap is below that flip: tie_gap is set there (below), so the run parts on them (routing forced
+# from the reference from that step on, later steps still gated). Each other tolerance is 3x the worst of
+#   python -m parity run --preset {tiny,tiny-mla} --optimizer {adamw,muon} --fp8 RECIPE --steps 20
+# (full profile, init scale 8; 2026-12-07, dev VM B; docs/MEASUREMENTS.md, "Parity under FP8"),
+# or the fp32 tolerance where the measured error is 0. These gates catch a recipe error (a wrong
+# scale rounding, a missing quantisation: tests/test_parity_fp8.py), not a one-ulp slip: that is
+# what the fp32 profiles and the bit-identity tests are for.
+# tie_gap per optimizer: the largest selection gap among the step-1 flips of any run (its tie
+# margin), ~2x over. AdamW 3.3e-2 (tiny-mla rowwise). Muon 0.113 (tiny-mla blockwise: Muon's first
+# update orthogonalises gradients that differ by 8 %, so its router moves further): with Muon under
+# FP8 nearly every step-1 flip is forgiven and forced, and the later steps carry the gates.
+FP8_TIE_GAP = {"adamw": 7e-2, "muon": 2.5e-1}
+FP8_TIE_MEASURED = {"adamw": 0.033, "muon": 0.113}
+_FP8_FORWARD = {  # step 0: the same for both optimizers
+    "tensorwise": {"gate_abs": 0.021, "probe_scaled": 0.12, "logits_abs": 0.63, "logits_kl": 0.00015,
+                   "loss_rel": 8.8e-05, "grad_rel_l2": 0.2},
+    "rowwise": {"gate_abs": 0.00058, "probe_scaled": 0.011, "logits_abs": 0.053, "logits_kl": 2.5e-07,
+                "loss_rel": 1.8e-06, "grad_rel_l2": 0.039},
+    "blockwise": {"gate_abs": 0.0075, "probe_scaled": 0.032, "logits_abs": 0.17, "logits_kl": 3.6e-05,
+                  "loss_rel": 0.00011, "grad_rel_l2": 0.081},
+}
+_FP8_STEPS = {
+    ("tensorwise", "adamw"): {"step_loss_rel": 0.0083, "step_param_rel_l2": 0.029, "step_bias_abs": 0.0,
+                              "update_rel_l2": 0.62, "step_flip_frac": 0.0},
+    ("tensorwise", "muon"): {"step_loss_rel": 0.0061, "step_param_rel_l2": 0.084, "step_bias_abs": 0.0,
+                             "update_rel_l2": 0.62, "step_flip_frac": 0.0},
+    ("rowwise", "adamw"): {"step_loss_rel": 0.0056, "step_param_rel_l2": 0.022, "step_bias_abs": 0.0,
+                           "update_rel_l2": 0.36, "step_flip_frac": 0.0},
+    ("rowwise", "muon"): {"step_loss_rel": 0.0087, "step_param_rel_l2": 0.075, "step_bias_abs": 0.0,
+                          "update_rel_l2": 0.36, "step_flip_frac": 0.0},
+    ("blockwise", "adamw"): {"step_loss_rel": 0.0065, "step_param_rel_l2": 0.024, "step_bias_abs": 0.0,
+                             "update_rel_l2": 0.36, "step_flip_frac": 0.0},
+    ("blockwise", "muon"): {"step_loss_rel": 0.0084, "step_param_rel_l2": 0.073, "step_bias_abs": 0.0,
+                            "update_rel_l2": 0.36, "step_flip_frac": 0.0},
+}
+FP8_MEASURED: dict[tuple[str, str], dict[str, float]] = {
+    (r, o): {**_FP8_FORWARD[r], **steps} for (r, o), steps in _FP8_STEPS.items()}
+_FP8_CMD = "python -m parity run --preset {tiny,tiny-mla} --optimizer %s --fp8 %s --steps 20 (worst of the two)"
+_FP8_LOOSE = "; cannot be tighter: FP8 rounding flips cascade through causal attention (see above)"
+
+
+def _fp8_profile(recipe: str, optimizer: str) -> tuple[Tolerances, dict]:
+    """The profile of ``recipe`` with ``optimizer`` and its MEASURED entry."""
+    m = FP8_MEASURED[(recipe, optimizer)]
+    fp32 = FLOAT32_MUON if optimizer == "muon" else FLOAT32_ADAMW
+
+    def gate(key):
+        return 3 * m[key] if m[key] > 0 else getattr(fp32, key)
+
+    tol = Tolerances(name=f"float32-fp8-{recipe}-{optimizer}", tie_gap=FP8_TIE_GAP[optimizer],
+                     **{k: gate(k) for k in m if k != "update_rel_l2"}, update_rel_l2=None)
+    src = _FP8_CMD % (optimizer, recipe)
+    tie = FP8_TIE_MEASURED[optimizer]
+    measured = {"tie_gap": (tie, f"largest step-1 flip gap, {optimizer}, all recipes"
+                            + ("; cannot be tighter: Muon's first update (see above)" if tie * 2 >= 0.1 else ""))}
+    measured.update({k: (v, src + (_FP8_LOOSE if gate(k) >= 0.1 else "")) for k, v in m.items()})
+    return tol, measured
+
+
 PROFILES = {
     ("float32", "adamw", False): FLOAT32_ADAMW,
     ("float32", "muon", False): FLOAT32_MUON,
@@ -204,15 +275,26 @@ PROFILES = {
     ("bfloat16", "muon", False): BFLOAT16_MUON,
     ("bfloat16", "adamw", True): BFLOAT16_FORCED,
     ("bfloat16", "muon", True): BFLOAT16_FORCED_MUON,
+    # --fp8 RECIPE (fp32 compute; forced routing or not: one profile)
+    **{(f"fp8:{r}", o, False): _fp8_profile(r, o)[0] for r, o in FP8_MEASURED},
 }
 
 
-def tolerances_for(dtype: str, optimizer: str, forced: bool = False, ns_dtype: str = "float32") -> Tolerances:
+def tolerances_for(dtype: str, optimizer: str, forced: bool = False, ns_dtype: str = "float32",
+                   fp8: str = "none") -> Tolerances:
     """The profile for a compute dtype ("float32" | "bfloat16"), optimizer ("adamw" | "muon") and
     whether the run imposes one side's routing on the other (``--force-routing``: bf16 then has
     its own, gated gradient tolerances; fp32 needs no separate profile). fp32 Muon has two:
     ``float32-muon`` (fp32 Newton-Schulz on both sides, the parity default) and
     ``float32-muon-bf16ns`` (``ns_dtype="bfloat16"``: torch.optim.Muon's bf16 NS on both sides)."""
+    if fp8 != "none":  # one profile per recipe and optimizer, forced routing or not (see FP8_MEASURED)
+        from jaxmoe.errors import UserError
+
+        if dtype != "float32" or (optimizer == "muon" and ns_dtype != "float32"):
+            raise UserError(f"no parity tolerance profile for compute.fp8={fp8!r} with dtype={dtype!r}"
+                            f"{', muon_ns_dtype=' + repr(ns_dtype) if optimizer == 'muon' else ''}: FP8 parity "
+                            "runs on fp32 compute (and fp32 Newton-Schulz for Muon)")
+        return PROFILES[(f"fp8:{fp8}", optimizer, False)]
     forced = bool(forced) and dtype == "bfloat16"
     if (dtype, optimizer, ns_dtype) == ("float32", "muon", "bfloat16"):
         optimizer = "muon:bf16ns"
@@ -280,6 +362,7 @@ MEASURED: dict[str, dict[str, tuple[float, str]]] = {
     "bfloat16-adamw": _BF16,
     "bfloat16-muon": _BF16,
     "bfloat16-forced-muon": {**_BF16, "step_param_rel_l2": _MUON["step_param_rel_l2"]},
+    **{f"float32-fp8-{r}-{o}": _fp8_profile(r, o)[1] for r, o in FP8_MEASURED},
 }
 
 # Run sizes: batch rows x sequence length, default optimizer steps.
@@ -288,5 +371,5 @@ SIZE_PROFILES = {
     "full": {"batch_size": None, "seq_len": None, "steps": 20},  # None: the preset's value
 }
 
-__all__ = ["DEFAULT_INIT_SCALE", "FLOAT32_MUON", "FLOAT32_MUON_BF16NS", "MEASURED",
+__all__ = ["DEFAULT_INIT_SCALE", "FLOAT32_MUON", "FP8_MEASURED", "FLOAT32_MUON_BF16NS", "MEASURED",
            "PROFILES", "REL_FLOOR", "SIZE_PROFILES", "Tolerances", "tolerances_for"]

@@ -141,11 +141,12 @@ def _dense(recipe):
 # The quantised operands are the same on every path (tests above), so what differs is XLA's fp32
 # summation order (ragged_dot against the slot einsums, shard_map's partial sums). Measured on tiny,
 # 8x16 tokens (docs/MEASUREMENTS.md, "FP8"): the loss bit-identical on every path, the worst
-# gradient 1.9e-7 (blocked / ragged vs dense) and 4.1e-7 (mesh vs one device) relative Frobenius.
-# An operand that lands on the other side of an e4m3 rounding boundary would move one element by
-# one e4m3 step (~1e-3 on a gradient): none does here. Scales over the wrong rows move every
-# element (the e4m3 step is 6-12 %), far above this.
-PATH_TOL = {"tensorwise": 1e-5, "rowwise": 1e-5, "blockwise": 1e-5}
+# gradient 1.9e-7 (rowwise, blockwise: blocked / ragged vs dense) and 4.1e-7 (mesh vs one device),
+# except where an operand lands on the other side of a rounding boundary because of that order
+# and moves one element by one FP8 step: tensorwise's e5m2 gradients (2^-2 steps) do so once here,
+# 3.7e-4 on the routed experts' up_proj. Scales over the wrong rows move every element (the e4m3
+# step is 6-12 %), far above these.
+PATH_TOL = {"tensorwise": 2e-3, "rowwise": 1e-5, "blockwise": 1e-5}
 
 
 @pytest.mark.parametrize("path", ["blocked", "ragged"])

@@ -1,12 +1,13 @@
 """FP8 matmuls of the PyTorch reference (``compute.fp8``): the same quantisation as
 :mod:`jaxmoe.model.fp8`, written independently in torch (``torch.float8_e4m3fn``).
 
-Each GEMM operand is scaled by ``448 / amax`` over its scaling group (1 where amax is 0; amax
+Each GEMM operand is scaled by ``448 / amax`` (``57344 / amax`` for tensorwise's e5m2
+gradients) over its scaling group (1 where amax is 0; amax
 clamped to >= 1e-12; rounded down to a power of two for rowwise), clipped to +-448, rounded to e4m3,
 dequantised (``q * (1 / scale)``) and multiplied in fp32. Groups, per recipe, for a GEMM contracting K:
 tensorwise = the whole operand; rowwise = one row along K; blockwise = 1x128 tiles along K for
 activations and gradients, 128x128 blocks for weights. The backward quantises ``grad_output`` with
-the same rules (e4m3 for all three GEMMs). The router and the LM head stay out (see
+the same rules (e4m3; e5m2 under tensorwise, as torchao's default recipe). The router and the LM head stay out (see
 ``torch_ref.transformer``), as in jaxmoe.
 """
 
@@ -18,6 +19,7 @@ import contextvars
 import torch
 
 E4M3_MAX = 448.0
+E5M2_MAX = 57344.0  # tensorwise's gradient format (torchao's default recipe: grad_output in e5m2)
 BLOCK = 128
 AMAX_EPS = 1e-12
 _RECIPE = contextvars.ContextVar("torch_ref_fp8", default="none")
@@ -47,8 +49,11 @@ def _tile(recipe: str, shape, contract: int, weight: bool) -> tuple[int, int]:
     return (1, min(BLOCK, c)) if contract == 1 else (min(BLOCK, r), 1)
 
 
-def quantise(x: torch.Tensor, recipe: str, contract: int, weight: bool = False) -> torch.Tensor:
-    """2-D ``x`` -> its e4m3 quantise-dequantise (fp32) for a GEMM contracting axis ``contract``."""
+def quantise(x: torch.Tensor, recipe: str, contract: int, weight: bool = False, grad: bool = False) -> torch.Tensor:
+    """2-D ``x`` -> its FP8 quantise-dequantise (fp32) for a GEMM contracting axis ``contract``:
+    e4m3, or e5m2 for a gradient (``grad``) under tensorwise."""
+    fdtype, fmax = ((torch.float8_e5m2, E5M2_MAX) if grad and recipe == "tensorwise"
+                    else (torch.float8_e4m3fn, E4M3_MAX))
     x = x.float()
     r, c = x.shape
     tr, tc = _tile(recipe, x.shape, contract, weight)
@@ -58,10 +63,10 @@ def quantise(x: torch.Tensor, recipe: str, contract: int, weight: bool = False) 
     amax = amax.repeat_interleave(tr, 0).repeat_interleave(tc, 1)[:r, :c]
     # divisions in float64, rounded once to float32: the correctly rounded fp32 quotient that XLA
     # and numpy give (torch 2.13's CPU fp32 division differs from it in the last bit for ~25% of values)
-    scale = torch.where(amax > 0, (E4M3_MAX / amax.clamp(min=AMAX_EPS).double()).float(), torch.ones_like(amax))
+    scale = torch.where(amax > 0, (fmax / amax.clamp(min=AMAX_EPS).double()).float(), torch.ones_like(amax))
     if recipe == "rowwise":
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    q = (x * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (x * scale).clamp(-fmax, fmax).to(fdtype)
     return q.float() * (1.0 / scale.double()).float()
 
 
@@ -77,8 +82,8 @@ class _Fp8Matmul(torch.autograd.Function):
         x, w = ctx.saved_tensors
         r = ctx.recipe
         g = g.float()
-        dx = quantise(g, r, 1) @ quantise(w.t(), r, 0, weight=True)
-        dw = quantise(x, r, 0).t() @ quantise(g, r, 0)
+        dx = quantise(g, r, 1, grad=True) @ quantise(w.t(), r, 0, weight=True)
+        dw = quantise(x, r, 0).t() @ quantise(g, r, 0, grad=True)
         return dx.to(x.dtype), dw.to(w.dtype), None
 
 

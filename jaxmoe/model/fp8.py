@@ -1,23 +1,26 @@
-"""FP8 matmuls (``compute.fp8``): quantise-dequantise with current (just-in-time) scaling to e4m3.
+"""FP8 matmuls (``compute.fp8``): quantise-dequantise with current (just-in-time) scaling.
 
 Every operand of every GEMM of a covered matmul -- forward ``y = x @ w``, input gradient
-``dx = g @ w^T``, weight gradient ``dw = x^T @ g`` -- is quantised to ``float8_e4m3fn`` (max 448)
-with scales computed from the operand itself at that moment (no amax history), then dequantised, and
-the product is taken in fp32 (``preferred_element_type=float32``: fp32 accumulation). On CPU this
-*simulates* an FP8 GEMM: the values are exactly the e4m3 grid times the scale, the arithmetic is
-fp32. On GPU the same graph (``convert(f8) -> multiply(scale) -> dot``) is the pattern XLA's GEMM
-rewriter can fuse into a cuBLASLt FP8 GEMM for one scale per operand (tensorwise); per-row / per-tile
-scales are not fused by XLA in jax 0.10 and stay a dequantise + fp32 dot (issue 40 item 4 is open).
+``dx = g @ w^T``, weight gradient ``dw = x^T @ g`` -- is quantised to ``float8_e4m3fn`` (max 448;
+the gradient ``g`` to ``float8_e5m2``, max 57344, under tensorwise) with scales computed from the
+operand itself at that moment (no amax history), then dequantised, and the product is taken in
+fp32 (``preferred_element_type=float32``: fp32 accumulation). On CPU this *simulates* an FP8 GEMM:
+the values are exactly the FP8 grid times the scale, the arithmetic is fp32. On GPU the same graph
+(``convert(f8) -> multiply(scale) -> dot``) is the pattern XLA's GEMM rewriter can fuse into a
+cuBLASLt FP8 GEMM for one scale per operand (tensorwise); per-row / per-tile scales are not fused
+by XLA in jax 0.10 and stay a dequantise + fp32 dot (issue 40 item 4 is open).
 
-Recipes (the scale of an operand is ``448 / amax`` over its scaling group, the operand is
-``clip(x * scale, -448, 448)`` rounded to e4m3 (round to nearest even) and dequantised as
-``q * (1 / scale)``; an all-zero group gets scale 1, never NaN; amax is clamped below at 1e-12 as torchao does):
+Recipes (the scale of an operand is ``fmax / amax`` over its scaling group, the operand is
+``clip(x * scale, -fmax, fmax)`` rounded to the format (round to nearest even) and dequantised as
+``q * (1 / scale)``; an all-zero group gets scale 1, never NaN; amax is clamped below at 1e-12 as
+torchao does):
 
-* ``tensorwise`` -- torchao's ``Float8LinearRecipeName.TENSORWISE``: one scale per tensor (per
-  expert for stacked expert weights and per expert's rows for expert activations), exact
-  ``448 / amax`` (torchao's default ``round_scales_to_power_of_2=False``), e4m3 for inputs,
-  weights and grad_output (torchao's default recipe: e4m3 for all, no e5m2).
-* ``rowwise`` -- torchao's ``ROWWISE``: one scale per row of the operand along the GEMM's
+* ``tensorwise`` -- torchao 0.18's ``Float8LinearConfig.from_recipe_name("tensorwise")``: one
+  scale per tensor (per expert for stacked expert weights and per expert's rows for expert
+  activations), exact ``fmax / amax`` (``round_scales_to_power_of_2=False``), e4m3 for inputs and
+  weights, **e5m2 for grad_output** in both backward GEMMs (its ``cast_config_grad_output``).
+  Checked against torchao's ``Float8Linear(emulate=True)`` in tests/test_fp8_torchao.py.
+* ``rowwise`` -- torchao's ``"rowwise"``: one scale per row of the operand along the GEMM's
   contraction axis (forward: per token row of ``x``, per output column of ``w``; dgrad: per row of
   ``g``, per input row of ``w``; wgrad: per feature column of ``x`` and of ``g``, over tokens),
   scales rounded down to a power of two, e4m3 for all three GEMMs.
@@ -48,11 +51,18 @@ import jax.numpy as jnp
 
 RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
 E4M3_MAX = 448.0
+E5M2_MAX = 57344.0  # float8_e5m2: tensorwise's gradient format (torchao's default recipe)
 BLOCK = 128  # DeepSeek-V3's tile / block edge
 AMAX_EPS = 1e-12  # torchao's EPS: amax is clamped to at least this before 448 / amax
 
-# per recipe: power-of-two scales?
+# per recipe: power-of-two scales? gradients (grad_output, both backward GEMMs) in e5m2?
 _POW2 = {"tensorwise": False, "rowwise": True, "blockwise": False}
+_GRAD_E5M2 = {"tensorwise": True, "rowwise": False, "blockwise": False}
+
+
+def _format(recipe: str, grad: bool):
+    """(dtype, max) of an operand: e5m2 for a gradient under tensorwise, e4m3 otherwise."""
+    return (jnp.float8_e5m2, E5M2_MAX) if grad and _GRAD_E5M2[recipe] else (jnp.float8_e4m3fn, E4M3_MAX)
 
 
 # The recipe in force while a model traces its forward (set by ``Transformer.__call__`` from
@@ -103,10 +113,11 @@ def tile_shape(recipe: str, shape: tuple[int, int], contract: int, weight: bool)
     raise ValueError(f"unknown fp8 recipe {recipe!r}; one of {RECIPES}")
 
 
-def scales(amax: jax.Array, recipe: str) -> jax.Array:
-    """``448 / amax`` (fp32), 1 where ``amax == 0``; a power of two (rounded down) for rowwise."""
+def scales(amax: jax.Array, recipe: str, fmax: float = E4M3_MAX) -> jax.Array:
+    """``fmax / amax`` (fp32; 448 for e4m3), 1 where ``amax == 0``; a power of two (rounded down)
+    for rowwise."""
     amax = amax.astype(jnp.float32)
-    s = jnp.where(amax > 0, E4M3_MAX / jnp.maximum(amax, AMAX_EPS), 1.0)
+    s = jnp.where(amax > 0, fmax / jnp.maximum(amax, AMAX_EPS), 1.0)
     if _POW2[recipe]:
         s = jnp.exp2(jnp.floor(jnp.log2(s)))
     return s
@@ -123,15 +134,21 @@ def group_amax(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     return jnp.repeat(jnp.repeat(m, tr, axis=0), tc, axis=1)[:r, :c]
 
 
-def fake_quant(x: jax.Array, recipe: str, contract: int, weight: bool = False, valid=None) -> jax.Array:
-    """``x`` (2-D) quantised to e4m3 with ``recipe``'s scales for a GEMM contracting axis
-    ``contract``, dequantised to fp32. ``valid [rows]``: rows outside it become 0 first."""
+def _round_trip(x, s, recipe, grad):
+    dtype, fmax = _format(recipe, grad)
+    return jnp.clip(x * s, -fmax, fmax).astype(dtype).astype(jnp.float32) * (1.0 / s)
+
+
+def fake_quant(x: jax.Array, recipe: str, contract: int, weight: bool = False, valid=None,
+               grad: bool = False) -> jax.Array:
+    """``x`` (2-D) quantised with ``recipe``'s scales for a GEMM contracting axis ``contract`` (to
+    e4m3; to e5m2 when ``grad`` under tensorwise), dequantised to fp32. ``valid [rows]``: rows
+    outside it become 0 first."""
     x = x.astype(jnp.float32)
     if valid is not None:
         x = jnp.where(valid[:, None], x, 0.0)
-    s = scales(group_amax(x, tile_shape(recipe, x.shape, contract, weight)), recipe)
-    q = jnp.clip(x * s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return q.astype(jnp.float32) * (1.0 / s)  # times the inverse scale (torch_ref.fp8 computes the same)
+    s = scales(group_amax(x, tile_shape(recipe, x.shape, contract, weight)), recipe, _format(recipe, grad)[1])
+    return _round_trip(x, s, recipe, grad)  # times the inverse scale (torch_ref.fp8 computes the same)
 
 
 def _mm(a, b):
@@ -152,8 +169,8 @@ def _bwd(recipe, res, g):
     g = g.astype(jnp.float32)
     if valid is not None:
         g = jnp.where(valid[:, None], g, 0.0)
-    dx = _mm(fake_quant(g, recipe, 1), fake_quant(w.T, recipe, 0, weight=True))  # dgrad
-    dw = _mm(fake_quant(x, recipe, 0, valid=valid).T, fake_quant(g, recipe, 0))  # wgrad, over tokens
+    dx = _mm(fake_quant(g, recipe, 1, grad=True), fake_quant(w.T, recipe, 0, weight=True))  # dgrad
+    dw = _mm(fake_quant(x, recipe, 0, valid=valid).T, fake_quant(g, recipe, 0, grad=True))  # wgrad, over tokens
     if valid is not None:
         dx = jnp.where(valid[:, None], dx, 0.0)
     return dx.astype(x.dtype), dw.astype(w.dtype), None
@@ -188,7 +205,8 @@ def _row_groups(group_sizes: jax.Array, n_rows: int) -> tuple[jax.Array, jax.Arr
     return seg, r - jnp.where(seg < e, starts[jnp.minimum(seg, e - 1)], 0)
 
 
-def grouped_fake_quant(x: jax.Array, group_sizes: jax.Array, recipe: str, contract: int) -> jax.Array:
+def grouped_fake_quant(x: jax.Array, group_sizes: jax.Array, recipe: str, contract: int,
+                       grad: bool = False) -> jax.Array:
     """Activation rows ``x [N, K]`` sorted by expert, quantised as :func:`fake_quant` quantises each
     expert's rows alone (what the dense path does on its ``[E, C, K]`` slots): tensorwise one scale
     per expert; rowwise / blockwise along K (``contract == 1``) per row / per 1x128 tile; over the
@@ -201,7 +219,7 @@ def grouped_fake_quant(x: jax.Array, group_sizes: jax.Array, recipe: str, contra
     x = jnp.where((seg < e)[:, None], x.astype(jnp.float32), 0.0)
     tr, tc = tile_shape(recipe, (n, kdim), contract, weight=False)
     if tr == 1:  # per row: the groups do not matter
-        return fake_quant(x, recipe, contract)
+        return fake_quant(x, recipe, contract, grad=grad)
     if recipe == "blockwise":  # 128-row tiles inside each group, numbered over all groups
         tiles_e = -(-group_sizes // BLOCK)
         first_tile = jnp.cumsum(tiles_e) - tiles_e
@@ -212,9 +230,8 @@ def grouped_fake_quant(x: jax.Array, group_sizes: jax.Array, recipe: str, contra
     pc = -kdim % tc
     a = jnp.pad(jnp.abs(x), ((0, 0), (0, pc))).reshape(n, (kdim + pc) // tc, tc).max(axis=-1)
     amax = jax.ops.segment_max(a, row_seg, num_segments=n_seg)[row_seg]  # [N, column tiles]
-    s = scales(jnp.repeat(amax, tc, axis=1)[:, :kdim], recipe)
-    q = jnp.clip(x * s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return q.astype(jnp.float32) * (1.0 / s)
+    s = scales(jnp.repeat(amax, tc, axis=1)[:, :kdim], recipe, _format(recipe, grad)[1])
+    return _round_trip(x, s, recipe, grad)
 
 
 def _expert_weights_q(w: jax.Array, recipe: str) -> jax.Array:
@@ -242,8 +259,8 @@ def _ragged_fwd(x, w, group_sizes, recipe):
 def _ragged_bwd(recipe, res, g):
     x, w, gs = res
     g = g.astype(jnp.float32)  # grouped_fake_quant zeroes its padding rows
-    dx = _ragged(grouped_fake_quant(g, gs, recipe, 1), _expert_weights_q(jnp.swapaxes(w, 1, 2), recipe), gs)
-    xq, gq = grouped_fake_quant(x, gs, recipe, 0), grouped_fake_quant(g, gs, recipe, 0)
+    dx = _ragged(grouped_fake_quant(g, gs, recipe, 1, grad=True), _expert_weights_q(jnp.swapaxes(w, 1, 2), recipe), gs)
+    xq, gq = grouped_fake_quant(x, gs, recipe, 0), grouped_fake_quant(g, gs, recipe, 0, grad=True)
     # wgrad per expert, xq_e^T @ gq_e: the transpose of ragged_dot in its right operand (linear)
     dw = jax.linear_transpose(lambda ww: _ragged(xq, ww, gs), jnp.zeros(w.shape, jnp.float32))(gq)[0]
     return dx.astype(x.dtype), dw.astype(w.dtype), None
@@ -266,6 +283,6 @@ def ragged_swiglu(x_sorted: jax.Array, group_sizes: jax.Array, weights: dict, re
                   lambda a, w: fp8_ragged_matmul(a, w, group_sizes, recipe))
 
 
-__all__ = ["AMAX_EPS", "BLOCK", "E4M3_MAX", "RECIPES", "current", "fake_quant", "fp8_grouped_matmul", "fp8_matmul",
-           "fp8_ragged_matmul", "group_amax", "grouped_fake_quant", "ragged_swiglu", "scales", "scoped", "swiglu",
-           "tile_shape", "using"]
+__all__ = ["AMAX_EPS", "BLOCK", "E4M3_MAX", "E5M2_MAX", "RECIPES", "current", "fake_quant", "fp8_grouped_matmul",
+           "fp8_matmul", "fp8_ragged_matmul", "group_amax", "grouped_fake_quant", "ragged_swiglu", "scales", "scoped",
+           "swiglu", "tile_shape", "using"]
