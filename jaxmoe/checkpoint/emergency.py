@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from jaxmoe.errors import UserError
+from jaxmoe.storage.file_copy import fsync_path
 from jaxmoe.trees import key_path_str
 
 KEEP = 2  # local steps kept per process (the newest may be torn by a crash; the one before is not)
@@ -52,14 +53,6 @@ MANIFEST, SHARDS = "manifest.json", "shards.bin"
 def _box(index, shape) -> list[list[int]]:
     """A shard's index (a tuple of slices) as ``[[start, stop], ...]`` per dim."""
     return [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(index, shape)]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalTier:
@@ -99,10 +92,10 @@ class LocalTier:
         man = {"step": step, "process_index": self.process_index, "process_count": self.process_count,
                "leaves": leaves, "meta": meta}
         (tmp / MANIFEST).write_text(json.dumps(man))
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(self.dir)
+        fsync_path(self.dir)
         for old in self.steps(self.dir)[:-KEEP]:
             shutil.rmtree(self.dir / str(old), ignore_errors=True)
 

@@ -203,7 +203,9 @@ class GQAttention(nnx.Module):
             self.q_norm = RMSNorm.declare(stack + (hd,), ax("norm"), ones(), eps=m.rms_norm_eps)
             self.k_norm = RMSNorm.declare(stack + (hd,), ax("norm"), ones(), eps=m.rms_norm_eps)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids=None) -> jax.Array:
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """``x [B, S, D]`` -> RoPE'd ``q [B,S,H,hd]``, ``k``, ``v [B,S,KV,hd]`` (QK-normed if set);
+        shared with the KV-cache decode (jaxmoe.model.decode)."""
         b, s, _ = x.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).reshape(b, s, h, hd)
@@ -211,8 +213,12 @@ class GQAttention(nnx.Module):
         v = self.v_proj(x).reshape(b, s, kv, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin, self.rope_layout)
-        k = apply_rope(k, cos, sin, self.rope_layout)
+        return apply_rope(q, cos, sin, self.rope_layout), apply_rope(k, cos, sin, self.rope_layout), v
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids=None) -> jax.Array:
+        b, s, _ = x.shape
+        h, hd = self.n_heads, self.head_dim
+        q, k, v = self.qkv(x, cos, sin)
         out = attend(q, k, v, hd**-0.5, self.kernel, segment_ids)
         return self.o_proj(out.reshape(b, s, h * hd))
 
@@ -254,24 +260,30 @@ class MLAttention(nnx.Module):
                                         normal(std))
         self.o_proj = Linear.declare(stack + (h * self.v_dim, d), ax("heads", "embed"), normal(std))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids=None) -> jax.Array:
+    def latent(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """``x [B, S, D]`` -> ``q_nope [B,S,H,nope]``, RoPE'd ``q_rope [B,S,H,rope]``, the normed
+        latent ``ckv [B,S,kv_lora]`` and the RoPE'd shared key ``k_rope [B,S,rope]``: everything
+        before ``kv_b_proj``, shared with the KV-cache decode (jaxmoe.model.decode)."""
         b, s, _ = x.shape
-        h, nope, rope, vd = self.n_heads, self.nope, self.rope, self.v_dim
+        h, nope, rope = self.n_heads, self.nope, self.rope
         if self.q_lora_rank > 0:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
         q = q.reshape(b, s, h, nope + rope)
-        q_nope, q_rope = q[..., :nope], q[..., nope:]
         kv_a = self.kv_a_proj(x)
         ckv = self.kv_a_norm(kv_a[..., : self.kv_lora_rank])
-        k_rope = kv_a[..., self.kv_lora_rank :].reshape(b, s, 1, rope)
+        k_rope = apply_rope(kv_a[..., self.kv_lora_rank :].reshape(b, s, 1, rope), cos, sin, self.rope_layout)
+        return q[..., :nope], apply_rope(q[..., nope:], cos, sin, self.rope_layout), ckv, k_rope[:, :, 0]
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids=None) -> jax.Array:
+        b, s, _ = x.shape
+        h, nope, vd = self.n_heads, self.nope, self.v_dim
+        q_nope, q_rope, ckv, k_rope = self.latent(x, cos, sin)
         kv = self.kv_b_proj(ckv).reshape(b, s, h, nope + vd)
         k_nope, v = kv[..., :nope], kv[..., nope:]
-        q_rope = apply_rope(q_rope, cos, sin, self.rope_layout)
-        k_rope = apply_rope(k_rope, cos, sin, self.rope_layout)
         # the rope key is one head shared by all: attend adds q_rope . k_rope to the nope scores
-        out = attend(q_nope, k_nope, v, self.scale, self.kernel, segment_ids, q_rope, k_rope[:, :, 0])
+        out = attend(q_nope, k_nope, v, self.scale, self.kernel, segment_ids, q_rope, k_rope)
         return self.o_proj(out.reshape(b, s, h * vd))
 
 

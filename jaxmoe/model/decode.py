@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxmoe.config import Config
 from jaxmoe.model.attention import GQAttention, MLAttention
-from jaxmoe.model.layers import apply_rope, rope_tables
+from jaxmoe.model.layers import rope_tables
 from jaxmoe.model.transformer import DTYPES, LAYER_STACKS, Model, Transformer
 
 
@@ -71,13 +71,7 @@ def gqa_step(attn: GQAttention, x, cos, sin, cache: dict, start, mask):
     """GQA on ``x [B, T, D]`` written at slots ``start..``; ``mask [B, T, C]`` -> (out, cache)."""
     b, t, _ = x.shape
     h, kv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    q = attn.q_proj(x).reshape(b, t, h, hd)
-    k = attn.k_proj(x).reshape(b, t, kv, hd)
-    v = attn.v_proj(x).reshape(b, t, kv, hd)
-    if attn.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rope(q, cos, sin, attn.rope_layout)
-    k = apply_rope(k, cos, sin, attn.rope_layout)
+    q, k, v = attn.qkv(x, cos, sin)
     cache = {"k": _write(cache["k"], k, start), "v": _write(cache["v"], v, start)}
     q5 = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q5, cache["k"], preferred_element_type=jnp.float32) * hd**-0.5
@@ -89,13 +83,8 @@ def gqa_step(attn: GQAttention, x, cos, sin, cache: dict, start, mask):
 def mla_step(attn: MLAttention, x, cos, sin, cache: dict, start, mask):
     """MLA in the absorbed form (module doc) on ``x [B, T, D]`` -> (out, cache)."""
     b, t, _ = x.shape
-    h, nope, rope, vd, c = attn.n_heads, attn.nope, attn.rope, attn.v_dim, attn.kv_lora_rank
-    q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))) if attn.q_lora_rank > 0 else attn.q_proj(x)
-    q = q.reshape(b, t, h, nope + rope)
-    q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], cos, sin, attn.rope_layout)
-    kv_a = attn.kv_a_proj(x)
-    ckv = attn.kv_a_norm(kv_a[..., :c])
-    k_rope = apply_rope(kv_a[..., c:].reshape(b, t, 1, rope), cos, sin, attn.rope_layout)[:, :, 0]
+    h, nope, vd, c = attn.n_heads, attn.nope, attn.v_dim, attn.kv_lora_rank
+    q_nope, q_rope, ckv, k_rope = attn.latent(x, cos, sin)
     cache = {"ckv": _write(cache["ckv"], ckv, start), "krope": _write(cache["krope"], k_rope, start)}
     w = attn.kv_b_proj.get_value().astype(x.dtype).reshape(c, h, nope + vd)
     w_uk, w_uv = w[..., :nope], w[..., nope:]

@@ -117,18 +117,11 @@ def _blocked_tokens(x, topk_idx, topk_weights, weights, moe_cfg):
     return blocked_path(x, topk_idx, topk_weights, weights, moe_cfg), jnp.zeros((), jnp.int32)
 
 
-# Under compute.fp8 both grouped forms are fp8.ragged_swiglu (lax.ragged_dot on quantised operands,
-# per-expert scales over the valid rows only), whatever moe.block_size / moe.ragged_kernel say
-# (config/load.py refuses an explicit mosaic_gpu / tokamax kernel with fp8).
 def _blocked_rows(x_sorted, group_sizes, weights, moe_cfg):
-    if (recipe := fp8.current()) != "none":
-        return fp8.ragged_swiglu(x_sorted, group_sizes, weights, recipe)
     return blocked_swiglu_rows(x_sorted, group_sizes, weights, moe_cfg.block_size)
 
 
 def _ragged_rows(x_sorted, group_sizes, weights, moe_cfg):
-    if (recipe := fp8.current()) != "none":
-        return fp8.ragged_swiglu(x_sorted, group_sizes, weights, recipe)
     return ragged_swiglu(x_sorted, group_sizes, weights, moe_cfg.ragged_kernel)
 
 
@@ -176,8 +169,15 @@ def grouped_swiglu(x_sorted, group_sizes, weights, *, path, moe_cfg):
     ``[E, D, I]``, ``down_proj [E, I, D]``. ``path``: one with a grouped form (ragged, blocked);
     ``moe_cfg`` gives its options (``block_size``, ``ragged_kernel``). Returns ``[N, D]`` in
     ``x_sorted.dtype``.
+
+    Under compute.fp8 every grouped form is :func:`jaxmoe.model.fp8.ragged_swiglu` (``lax.ragged_dot``
+    on quantised operands, per-expert scales over the valid rows only), whatever ``moe.block_size`` /
+    ``moe.ragged_kernel`` say (config/load.py refuses an explicit mosaic_gpu / tokamax kernel with fp8).
     """
-    return get_path(path, under_mesh=True).rows(x_sorted, group_sizes, weights, moe_cfg)
+    impl = get_path(path, under_mesh=True)
+    if (recipe := fp8.current()) != "none":
+        return fp8.ragged_swiglu(x_sorted, group_sizes, weights, recipe)
+    return impl.rows(x_sorted, group_sizes, weights, moe_cfg)
 
 
 def _sorted_path(x, topk_idx, topk_weights, weights, moe_cfg, path):

@@ -65,12 +65,18 @@ def _operands(args: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", args[:end])
 
 
-def count_collectives(hlo_text: str) -> dict:
-    """``{op: {"count": n, "bytes": b}}`` for the collectives of a compiled HLO module's text
-    (see the module doc); ops that do not occur are absent (``{}``: no collectives)."""
+def _collectives(hlo_text: str):
+    """``(computation, line, op, bytes)`` for each collective instruction of a compiled module's
+    text: ``op`` without an async ``-start`` suffix, bytes per device as the module doc counts
+    them (the larger of result and operands; an async start's tuple result by its largest part)."""
     shapes: dict[str, int] = {}
     found = []
+    cur = None
     for line in hlo_text.splitlines():
+        c = _COMP.match(line)
+        if c and not line.startswith(" "):
+            cur = c.group(1)
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
@@ -79,15 +85,21 @@ def count_collectives(hlo_text: str) -> dict:
         shapes[name] = sum(sizes)
         base = op[:-len("-start")] if op.endswith("-start") else op
         if base in COLLECTIVES:
-            found.append((base, op != base, sizes, _operands(args)))
-    out: dict = {}
-    for base, is_async, sizes, operands in found:
+            found.append((cur, line, base, op != base, sizes, _operands(args)))
+    for cur, line, base, is_async, sizes, operands in found:
         # async *-start results are tuples holding the operands and the results: take the largest
         result = max(sizes, default=0) if is_async else sum(sizes)
-        operand = sum(shapes.get(o, 0) for o in operands)
+        yield cur, line, base, max(result, sum(shapes.get(o, 0) for o in operands))
+
+
+def count_collectives(hlo_text: str) -> dict:
+    """``{op: {"count": n, "bytes": b}}`` for the collectives of a compiled HLO module's text
+    (see the module doc); ops that do not occur are absent (``{}``: no collectives)."""
+    out: dict = {}
+    for _, _, base, nbytes in _collectives(hlo_text):
         rec = out.setdefault(base, {"count": 0, "bytes": 0})
         rec["count"] += 1
-        rec["bytes"] += max(result, operand)
+        rec["bytes"] += nbytes
     return out
 
 
@@ -244,26 +256,9 @@ def comm_bytes_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
     axes its groups span (:func:`axes_of_groups`), bytes per device as :func:`count_collectives`
     counts them, times the number of times its computation runs per step (loop trip counts)."""
     mult = computation_multiplicity(hlo_text)
-    shapes: dict[str, int] = {}
     out: dict = {}
-    cur = None
-    for line in hlo_text.splitlines():
-        c = _COMP.match(line)
-        if c and not line.startswith(" "):
-            cur = c.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, shape, op, args = m.groups()
-        sizes = _bytes(shape)
-        shapes[name] = sum(sizes)
-        base = op[:-len("-start")] if op.endswith("-start") else op
-        if base not in COLLECTIVES:
-            continue
-        result = max(sizes, default=0) if base != op else sum(sizes)
-        nbytes = max(result, sum(shapes.get(o, 0) for o in _operands(args)))
-        k = mult.get(cur, 1)
+    for comp, line, base, nbytes in _collectives(hlo_text):
+        k = mult.get(comp, 1)
         rec = out.setdefault(axes_of_groups(replica_groups(line), mesh_shape), {}).setdefault(
             base, {"count": 0, "bytes": 0})
         rec["count"] += k

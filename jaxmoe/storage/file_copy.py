@@ -87,4 +87,13 @@ def copy_bytes(src: Path, src_offset: int, dst: Path, dst_offset: int, nbytes: i
     return crc if checksum else None
 
 
-__all__ = ["COPY_BLOCK", "copy_bytes", "crc32_of"]
+def fsync_path(path: Path) -> None:
+    """fsync one file or folder (a folder: its entries, e.g. a rename into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["COPY_BLOCK", "copy_bytes", "crc32_of", "fsync_path"]

@@ -52,7 +52,7 @@ from jaxmoe.port.io.hf_meta import meta_files
 from jaxmoe.port.io.safetensors_io import FLOAT_DTYPES
 from jaxmoe.port.maps import hf_map
 from jaxmoe.storage import page_cache
-from jaxmoe.storage.file_copy import COPY_BLOCK, copy_bytes
+from jaxmoe.storage.file_copy import COPY_BLOCK, copy_bytes, fsync_path
 
 #: raw tensor copies in flight at once (kernel copies: no bytes in this process's memory)
 COPY_THREADS = 2
@@ -100,16 +100,7 @@ def _fsync_tree(root: Path) -> None:
             dirs += [Path(d) / n for n in sub]
             files += [Path(d) / n for n in names if not (Path(d) / n).is_symlink()]
     for f in files + dirs:
-        _fsync_one(f)
-
-
-def _fsync_one(path: Path) -> None:
-    """fsync one file or folder (a folder: its entries, e.g. a rename into it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(f)
 
 
 def _raw_pairs(source, sink, key: str) -> list | None:
@@ -318,7 +309,7 @@ def convert(src: Endpoint, dst: Endpoint, dtype: str | None = None, force: bool 
         if dst.path.exists() or dst.path.is_symlink():
             _remove(dst.path)
         os.replace(target, dst.path)
-        _fsync_one(dst.path.parent)
+        fsync_path(dst.path.parent)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         _close_all(behind)
